@@ -44,8 +44,9 @@ class DdpConan(ConanFile):
 
     def package(self):
         copy(self, "LICENSE", self.source_folder, os.path.join(self.package_folder, "licenses"))
-        copy(self, "*.hpp", os.path.join(self.source_folder, "include"),
-             os.path.join(self.package_folder, "include"))
+        for pattern in ("*.hpp", "*.ipp"):  # the headers and their bodies
+            copy(self, pattern, os.path.join(self.source_folder, "include"),
+                 os.path.join(self.package_folder, "include"))
         for f in ("ddp-conan-torch.cmake", "ddp-conan-compiled.cmake", "ddpCompiled.cmake",
                   "ddp_compiled.cpp"):
             copy(self, f, os.path.join(self.source_folder, "cmake"),

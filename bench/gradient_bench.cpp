@@ -426,7 +426,7 @@ MirrorResult run_mirror(ddp::Environment env, int reps, bool mirrored) {
     ddp::Checkpoint state;
     state.put_sharded("m", m, zero->layout()).put_sharded("v", s, zero->layout());
     state.put_object("t", t);
-    zero->save(mirror, static_cast<std::uint64_t>(t), state);
+    zero->save(state, mirror, static_cast<std::uint64_t>(t));
   };
   MirrorResult r;
   r.step_us = measure(comm, reps, [&] {
@@ -446,7 +446,7 @@ MirrorResult run_mirror(ddp::Environment env, int reps, bool mirrored) {
     r.file_us = measure(comm, std::max(1, reps / 2), [&] {
       ddp::Checkpoint state;
       state.put_sharded("m", m, zero->layout()).put_sharded("v", s, zero->layout());
-      (void)zero->save(path, state);
+      (void)zero->save(state, path);
     });
     for (const auto& f : std::filesystem::directory_iterator("/tmp"))
       if (f.path().string().rfind(path, 0) == 0) std::filesystem::remove(f.path());

@@ -56,7 +56,7 @@ void train(ddp::Environment env) {
                                   {.shuffle = true, .seed = 1, .exact = true});
   const int epochs = 40;
   // README begin
-  ddp::Elastic<ddp::backend::Host> job(env);  // init(), or join() if restarted
+  ddp::Elastic<ddp::backend::Host> job(env);  // init(), or enter() if restarted
   job.track_model("net", net).track_sampler("sampler", sampler);
   std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
   job.on_reset([&](auto& comm) { avg.emplace(comm, net); });  // at the start, after each change

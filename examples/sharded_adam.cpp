@@ -126,7 +126,7 @@ void run(ddp::Environment env, const std::string& checkpoint, int steps) {
       ddp::Checkpoint state;
       state.put_object("step", step + 1).put_object("t", adam.t);
       state.put_sharded("m", adam.m, zero.layout()).put_sharded("v", adam.v, zero.layout());
-      zero.save(checkpoint, state);
+      zero.save(state, checkpoint);
     }
   }
   // Adam's state on this rank, against what an unsharded Adam holds.

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 want=14
 have=$(clang-format --version | sed -E 's/.*version ([0-9]+).*/\1/')
-files=$(git ls-files --cached --others --exclude-standard '*.hpp' '*.cpp' '*.h' '*.cu' | grep -v '^single_include/' || true)
+files=$(git ls-files --cached --others --exclude-standard '*.hpp' '*.ipp' '*.cpp' '*.h' '*.cu' | grep -v '^single_include/' || true)
 if [ "${1:-}" = "--check" ]; then
   if [ "$have" != "$want" ]; then
     echo "skipped: clang-format $have is not the pinned version $want"

@@ -150,10 +150,12 @@ sanitized_tests() { await_build clang-asan-ubsan && test_tree clang-asan-ubsan; 
 tsan_tests() { await_build tsan && test_tree tsan; }
 meson_tests() { await_build meson && meson test -C build/meson --print-errorlogs; }
 
+# Seconds, in both modes: where a file and its bodies belong.
+stage "include/ddp's layout (no circle, <= 10 floors, bodies in .ipp files, file lengths)" python3 tools/check_layout.py
+stage "the layout rules catch a body in the wrong place" python3 tools/check_layout.py --self-test
 if [ $fast -eq 0 ]; then
   stage "clang-format (every C++ file)" scripts/format.sh --check
   stage "single_include is regenerated from include/" python3 tools/amalgamate.py --check
-  stage "include/ddp's layout (no circle, <= 10 floors, header and tools/ file lengths)" python3 tools/check_layout.py
   stage "API reference (Doxygen, warnings are errors)" scripts/docs.sh
 fi
 if [ $fast -eq 1 ]; then

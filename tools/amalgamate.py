@@ -38,7 +38,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "include"
 ENTRY = "ddp/ddp.hpp"
 # Headers that only forward to others (an old spelling kept working); see forwarding_errors().
+# Besides these, every header that says it is an old path (OLD_PATH below) is one.
 FORWARDING = ["ddp/store.hpp", "ddp/trace.hpp"]
+OLD_PATH = "The path this header had before the library was arranged in rooms"
 # The separate-compilation mode's implementation unit: in single_include/ its stub defines
 # DDP_IMPLEMENTATION before the single header (what impl/src.hpp does with include/).
 IMPLEMENTATION = "ddp/impl/src.hpp"
@@ -138,10 +140,16 @@ def read_version() -> str:
     return ".".join(p.group(1) for p in parts)  # type: ignore[union-attr]
 
 
+def forwarding() -> list[str]:
+    old = [str(p.relative_to(INCLUDE)) for p in sorted((INCLUDE / "ddp").rglob("*.hpp"))
+           if OLD_PATH in p.read_text(encoding="utf-8")]
+    return FORWARDING + old
+
+
 def unused_headers(done: dict[str, bool]) -> list[str]:
     all_headers = sorted(str(p.relative_to(INCLUDE)) for p in (INCLUDE / "ddp").rglob("*.hpp"))
     return [h for h in all_headers
-            if h not in done and h not in FORWARDING and h != IMPLEMENTATION
+            if h not in done and h not in forwarding() and h != IMPLEMENTATION
             and not h.startswith("ddp/adapters/")]
 
 
@@ -149,7 +157,7 @@ def forwarding_errors(done: dict[str, bool]) -> list[str]:
     """A forwarding header left out of the single header must hold nothing but comments,
     `#pragma once` and includes of headers the umbrella reaches."""
     errors = []
-    for header in FORWARDING:
+    for header in forwarding():
         path = INCLUDE / header
         if not path.is_file():
             errors.append(f"{header} is listed in FORWARDING but does not exist")

@@ -3,7 +3,7 @@
 #pragma once
 
 /// \file
-/// Reading the ranks' timelines back (what ddp/comm/timeline.hpp writes), for ddp-trace and its
+/// Reading the ranks' timelines back (what ddp/observe/timeline.hpp writes), for ddp-trace and its
 /// tests: read_timeline() (one file, repaired when its process died mid-write), merge_timelines()
 /// (every rank's events in one Chrome trace-event document, on rank 0's clock as written),
 /// summarize_steps() (per rank: step time, time in collectives, how much of it overlapped the
@@ -89,7 +89,7 @@ inline double json_number(const Json* v, double otherwise) {
 }
 }  // namespace detail
 
-/// Reads one timeline file: a rank's own (ddp/comm/timeline.hpp), or one ddp-trace merged (then
+/// Reads one timeline file: a rank's own (ddp/observe/timeline.hpp), or one ddp-trace merged (then
 /// one TimelineFile per rank in it). Errc::protocol naming the file when it holds no trace
 /// events; a file cut short (its process killed mid-write) is read up to its last event.
 [[nodiscard]] inline std::vector<TimelineFile> read_timeline(const std::string& path) {

@@ -6,8 +6,8 @@
 /// Reading flight-recorder dumps back and comparing them, for the tools (ddp-trace, ddprun after
 /// a failed attempt) and their tests: TraceDump, parse_trace() (the text format_trace() writes),
 /// read_trace_file(), read_trace_dumps() (a directory of them) and diagnose_traces(), which says
-/// which rank fell behind and where. The recorder itself is ddp/comm/recorder.hpp. Like every tool
-/// header, it includes nothing of ddp but <ddp/ddp.hpp>.
+/// which rank fell behind and where. The recorder itself is ddp/observe/recorder.hpp. Like every
+/// tool header, it includes nothing of ddp but <ddp/ddp.hpp>.
 
 #include <ddp/ddp.hpp>
 

@@ -160,7 +160,7 @@ double run(const Args& a, Net net, ddp::Communicator<ddp::backend::Host>* comm) 
   const auto y = torch::randint(0, 10, {batch}, torch::kLong);
   std::unique_ptr<Averager> avg;
   if (comm != nullptr && a.mode != "local" && a.mode != "barrier")
-    avg = std::make_unique<Averager>(*comm, *net, ddp::AveragerOptions{.hooks = a.mode == "hooks"});
+    avg = std::make_unique<Averager>(*comm, *net, ddp::BucketOptions{.hooks = a.mode == "hooks"});
   // --hook powersgd: compressed from the first step (its steady state is what is timed).
   ddp::PowerSGDHook powersgd({.rank = static_cast<std::size_t>(a.psgd_rank), .start_iter = 0});
   if (avg && a.hook == "powersgd") avg->register_comm_hook(powersgd);

@@ -73,15 +73,6 @@ class Encoder {
   std::string& out_;
 };
 
-#if DDP_BODIES
-DDP_INLINE Encoder::Encoder(std::string& out) : out_(out) {}
-
-DDP_INLINE void Encoder::count(std::size_t n) {
-  const auto v = static_cast<std::uint64_t>(n);
-  bytes(&v, sizeof v);
-}
-#endif  // DDP_BODIES
-
 /// Reads values back from `n` bytes, checking every length against the input left.
 class Decoder {
  public:
@@ -111,32 +102,6 @@ class Decoder {
   std::size_t left_;
   int depth_ = 0;
 };
-
-#if DDP_BODIES
-DDP_INLINE Decoder::Decoder(const void* data, std::size_t n)
-    : p_(static_cast<const std::byte*>(data)), left_(n) {}
-
-DDP_INLINE void Decoder::bytes(void* out, std::size_t n) {
-  if (n > left_) {
-    detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
-                 " more bytes, has ", left_, ")");
-  }
-  if (n != 0) std::memcpy(out, p_, n);
-  p_ += n;
-  left_ -= n;
-}
-
-DDP_INLINE std::size_t Decoder::count(std::size_t min_bytes) {
-  std::uint64_t n = 0;
-  bytes(&n, sizeof n);
-  if (min_bytes == 0) min_bytes = 1;
-  if (n > left_ / min_bytes) {
-    detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
-                 left_, " bytes left (malformed or hostile input)");
-  }
-  return static_cast<std::size_t>(n);
-}
-#endif  // DDP_BODIES
 
 namespace detail {
 template <class T>
@@ -314,3 +279,7 @@ T decode_object(const void* data, std::size_t n) {
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/impl/codec.ipp"
+#endif

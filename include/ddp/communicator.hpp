@@ -31,12 +31,12 @@
 #include "ddp/backend/collective.hpp"
 #include "ddp/comm/call.hpp"
 #include "ddp/comm/objects.hpp"
-#include "ddp/comm/recorder.hpp"
 #include "ddp/comm/state.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/membership/rendezvous.hpp"
+#include "ddp/observe/recorder.hpp"
 #include "ddp/options.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/tensor.hpp"
@@ -438,8 +438,11 @@ class Communicator {
   [[nodiscard]] static Communicator enter(const Environment& env = Environment::detect(),
                                           const Options& options = {}, const EnterOptions& e = {});
   /// enter()'s older name.
-  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
-                                         const Options& options = {}, const EnterOptions& e = {}) {
+  [[deprecated(
+      "renamed Communicator::enter (ddp::Join is uneven "
+      "inputs)")]] [[nodiscard]] static Communicator
+  join(const Environment& env = Environment::detect(), const Options& options = {},
+       const EnterOptions& e = {}) {
     return enter(env, options, e);
   }
   /// How many processes wait to enter (one store read; not collective: for an agreed decision

@@ -40,14 +40,6 @@ namespace detail {
 
 /// Throws Errc::backend for a failed CUDA runtime call.
 DDP_INLINE void cuda_check(cudaError_t rc, const char* call);
-#if DDP_BODIES
-DDP_INLINE void cuda_check(cudaError_t rc, const char* call) {
-  if (rc != cudaSuccess) {
-    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
-    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
-  }
-}
-#endif  // DDP_BODIES
 
 /// Makes `device` current until the end of the scope, never throwing (for destructors).
 struct CudaDeviceScope {
@@ -58,13 +50,6 @@ struct CudaDeviceScope {
   CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
 };
 
-#if DDP_BODIES
-DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
-  (void)cudaGetDevice(&previous);
-  if (device != previous) (void)cudaSetDevice(device);
-}
-#endif  // DDP_BODIES
-
 }  // namespace detail
 
 /// Checks a CUDA runtime call: DDP_CUDA_CHECK(cudaMemcpy(...)).
@@ -73,35 +58,11 @@ DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
 /// The number of CUDA devices this process can use; 0 when there is no driver or no device
 /// (never throws: this is how tests decide to skip).
 [[nodiscard]] DDP_INLINE int cuda_device_count() noexcept;
-#if DDP_BODIES
-DDP_INLINE int cuda_device_count() noexcept {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-#endif  // DDP_BODIES
 
 /// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
 /// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
 /// before spawning. 0 when the child cannot be made.
 [[nodiscard]] DDP_INLINE int cuda_device_count_before_fork() noexcept;
-#if DDP_BODIES
-DDP_INLINE int cuda_device_count_before_fork() noexcept {
-  const pid_t pid = ::fork();
-  if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
-  if (pid < 0) return 0;
-  int status = 0;
-  pid_t got = -1;
-  do {
-    got = ::waitpid(pid, &status, 0);
-  } while (got < 0 && errno == EINTR);
-  if (got != pid || !WIFEXITED(status)) return 0;
-  return WEXITSTATUS(status);
-}
-#endif  // DDP_BODIES
 
 /// Makes `device` current for the guard's lifetime, then restores the previous one.
 class CudaDeviceGuard {
@@ -115,13 +76,6 @@ class CudaDeviceGuard {
  private:
   int previous_ = 0;
 };
-
-#if DDP_BODIES
-DDP_INLINE CudaDeviceGuard::CudaDeviceGuard(int device) {
-  DDP_CUDA_CHECK(cudaGetDevice(&previous_));
-  if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
-}
-#endif  // DDP_BODIES
 
 /// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
 class CudaStream {
@@ -147,28 +101,6 @@ class CudaStream {
   void reset() noexcept;
   cudaStream_t s_ = nullptr;
 };
-
-#if DDP_BODIES
-DDP_INLINE CudaStream::CudaStream(int device) {
-  CudaDeviceGuard g(device);
-  DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
-}
-
-DDP_INLINE CudaStream::CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-
-DDP_INLINE CudaStream& CudaStream::operator=(CudaStream&& o) noexcept {
-  if (this != &o) {
-    reset();
-    s_ = std::exchange(o.s_, nullptr);
-  }
-  return *this;
-}
-
-DDP_INLINE void CudaStream::reset() noexcept {
-  if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-  s_ = nullptr;
-}
-#endif  // DDP_BODIES
 
 /// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
 class CudaEvent {
@@ -198,30 +130,6 @@ class CudaEvent {
   void reset() noexcept;
   cudaEvent_t e_ = nullptr;
 };
-
-#if DDP_BODIES
-DDP_INLINE CudaEvent::CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-
-DDP_INLINE CudaEvent& CudaEvent::operator=(CudaEvent&& o) noexcept {
-  if (this != &o) {
-    reset();
-    e_ = std::exchange(o.e_, nullptr);
-  }
-  return *this;
-}
-
-DDP_INLINE bool CudaEvent::ready() const {
-  const cudaError_t rc = cudaEventQuery(e_);
-  if (rc == cudaErrorNotReady) return false;
-  detail::cuda_check(rc, "cudaEventQuery");
-  return true;
-}
-
-DDP_INLINE void CudaEvent::reset() noexcept {
-  if (e_ != nullptr) (void)cudaEventDestroy(e_);
-  e_ = nullptr;
-}
-#endif  // DDP_BODIES
 
 /// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
 /// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
@@ -406,32 +314,10 @@ namespace detail {
 
 /// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
 DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what);
-#if DDP_BODIES
-DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
-  const auto start = std::chrono::steady_clock::now();
-  for (unsigned spins = 0; !e.ready(); ++spins) {
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if (waited > timeout) {
-      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
-           " ms (is a kernel on the tensor's stream stuck?)");
-    }
-    if (spins < 64)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-#endif  // DDP_BODIES
 
 /// Copies `n` bytes between host memory and CUDA devices, in either direction, ordered on
 /// `stream` (a cudaStream_t as void*).
 DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream);
-#if DDP_BODIES
-DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
-  DDP_CUDA_CHECK(
-      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
-}
-#endif  // DDP_BODIES
 
 /// Sets `n` bytes of device memory to zero, ordered on `stream`.
 inline void cuda_zero_async(void* dst, std::size_t n, void* stream) {
@@ -445,43 +331,17 @@ inline void cuda_sync(void* stream) {
 
 /// Later work on `waiter` starts after the work queued on `producer` so far.
 DDP_INLINE void cuda_join_streams(void* waiter, void* producer);
-#if DDP_BODIES
-DDP_INLINE void cuda_join_streams(void* waiter, void* producer) {
-  if (waiter == producer) return;
-  CudaEvent done;
-  done.record(static_cast<cudaStream_t>(producer));
-  done.block(static_cast<cudaStream_t>(waiter));
-}
-#endif  // DDP_BODIES
 
 // The copies between a model's parameters and the averagers' buckets (ddp/training/), host or
-// CUDA memory alike; ddp/training/parameters.hpp has their host-only twins for builds without
-// CUDA.
+// CUDA memory alike; ddp/training/averaging/parameters.hpp has their host-only twins for builds
+// without CUDA.
 
 /// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
 /// ordered on `stream`.
 DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream);
-#if DDP_BODIES
-DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
-  if (n == 0) return;
-  if (cuda)
-    cuda_copy_async(dst, src, n, stream);
-  else
-    std::memcpy(dst, src, n);
-}
-#endif  // DDP_BODIES
 
 /// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
 DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream);
-#if DDP_BODIES
-DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
-  if (n == 0) return;
-  if (cuda)
-    cuda_zero_async(dst, n, stream);
-  else
-    std::memset(dst, 0, n);
-}
-#endif  // DDP_BODIES
 
 /// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
 inline void sync_stream(bool cuda, void* stream) {
@@ -496,3 +356,7 @@ inline void join_streams(bool cuda, void* waiter, void* producer) {
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/impl/cuda.ipp"
+#endif

@@ -74,61 +74,12 @@ namespace detail {
 /// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
 /// nullopt when it does not parse or has no such node.
 [[nodiscard]] DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node);
-#if DDP_BODIES
-DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
-  int index = 0;
-  while (!layout.empty()) {
-    const std::size_t comma = layout.find(',');
-    const std::string_view item = layout.substr(0, comma);
-    layout = comma == std::string_view::npos ? std::string_view{} : layout.substr(comma + 1);
-    int tasks = 0, repeat = 1;
-    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
-    if (ec != std::errc{} || tasks < 1) return std::nullopt;
-    std::string_view rest(end, static_cast<std::size_t>(item.data() + item.size() - end));
-    if (!rest.empty()) {  // "(xM)"
-      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') return std::nullopt;
-      const auto [e2, ec2] =
-          std::from_chars(rest.data() + 2, rest.data() + rest.size() - 1, repeat);
-      if (ec2 != std::errc{} || e2 != rest.data() + rest.size() - 1 || repeat < 1)
-        return std::nullopt;
-    }
-    if (node < index + repeat) return tasks;
-    index += repeat;
-  }
-  return std::nullopt;
-}
-#endif  // DDP_BODIES
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
 [[nodiscard]] DDP_INLINE std::string first_slurm_host(std::string_view list);
-#if DDP_BODIES
-DDP_INLINE std::string first_slurm_host(std::string_view list) {
-  const auto bracket = list.find('[');
-  const auto comma = list.find(',');
-  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
-    return std::string(list.substr(0, comma));
-  }
-  const auto close = list.find(']', bracket);
-  if (close == std::string_view::npos) {
-    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
-  }
-  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
-  range = range.substr(0, range.find_first_of(",-"));
-  return std::string(list.substr(0, bracket)) + std::string(range);
-}
-#endif  // DDP_BODIES
 
 DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
                            const char* world_var);
-#if DDP_BODIES
-DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                           const char* world_var) {
-  if (rank >= world) {
-    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
-         world_var, "=", world);
-  }
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -287,3 +238,7 @@ inline Environment Environment::detect() {
 }
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/impl/environment.ipp"
+#endif

@@ -95,22 +95,10 @@ class ErrcCategory final : public std::error_category {
   [[nodiscard]] DDP_INLINE std::string message(int value) const override;
 };
 
-#if DDP_BODIES
-DDP_INLINE std::string ErrcCategory::message(int value) const {
-  return std::string(to_string(static_cast<Errc>(value)));
-}
-#endif  // DDP_BODIES
-
 }  // namespace detail
 
 /// The std::error_category of ddp::Errc, for code that works with std::error_code.
 [[nodiscard]] DDP_INLINE const std::error_category& error_category() noexcept;
-#if DDP_BODIES
-DDP_INLINE const std::error_category& error_category() noexcept {
-  static const detail::ErrcCategory category;
-  return category;
-}
-#endif  // DDP_BODIES
 
 /// The std::error_code of an Errc in error_category(); found by ADL for `std::error_code ec = e;`.
 [[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
@@ -152,27 +140,6 @@ class Error : public std::runtime_error {
   std::size_t origin_at_ = 0;
   std::vector<int> lost_;
 };
-
-#if DDP_BODIES
-DDP_INLINE Error::Error(Errc code, const std::string& message)
-    : std::runtime_error(message), code_(code) {}
-
-DDP_INLINE Error::Error(Errc code, const char* message)
-    : std::runtime_error(message), code_(code) {}
-
-DDP_INLINE std::string_view Error::origin_message() const noexcept {
-  const std::string_view whole = what();
-  return origin_at_ < whole.size() ? whole.substr(origin_at_) : std::string_view{};
-}
-
-DDP_INLINE Error::Error(Errc code, std::string_view context, int origin_rank,
-                        std::string_view origin_message, std::vector<int> lost_ranks)
-    : std::runtime_error(std::string(context).append(origin_message)),
-      code_(code),
-      origin_(origin_rank),
-      origin_at_(context.size()),
-      lost_(std::move(lost_ranks)) {}
-#endif  // DDP_BODIES
 
 namespace detail {
 
@@ -222,3 +189,7 @@ DDP_END_NAMESPACE
 
 template <>
 struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
+
+#if DDP_BODIES
+#include "ddp/impl/error.ipp"
+#endif

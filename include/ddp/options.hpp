@@ -80,7 +80,8 @@ struct EnterOptions {
   std::chrono::milliseconds wait{0};
 };
 /// The older name of EnterOptions (Communicator::join is Communicator::enter's).
-using JoinOptions = EnterOptions;
+using JoinOptions [[deprecated("renamed EnterOptions, as Communicator::join is now enter")]] =
+    EnterOptions;
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
 /// verification and the flight recorder (see the file comment for which backend reads what).
@@ -127,7 +128,7 @@ struct Options {
   /// "Diagnostics").
   bool verify_collectives = true;
   /// How many recent operations each communicator remembers (the flight recorder, see
-  /// comm/recorder.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
+  /// observe/recorder.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
   std::size_t trace_entries = 2000;
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
   /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).
@@ -150,7 +151,7 @@ struct Options {
   /// rank must give the same ($DDP_STORE).
   std::string store{};
   /// A directory where every process writes its timeline, Chrome trace-event JSON that Perfetto
-  /// and chrome://tracing open (comm/timeline.hpp; `ddp-trace DIR` merges the ranks' files and
+  /// and chrome://tracing open (observe/timeline.hpp; `ddp-trace DIR` merges the ranks' files and
   /// draws a step); "" records nothing ($DDP_TIMELINE). The first communicator a process makes
   /// with it starts the file; later ones write into it.
   std::string timeline{};
@@ -171,94 +172,8 @@ struct Options {
   }
 };
 
-#if DDP_BODIES
-DDP_INLINE Options Options::with_env(const detail::EnvReader& env) const {
-  std::exception_ptr error;
-  Options o = with_env(env, error);
-  if (error) std::rethrow_exception(error);
-  return o;
-}
-
-DDP_INLINE Options Options::with_env(const detail::EnvReader& env,
-                                     std::exception_ptr& error) const {
-  Options o = *this;
-  const Options defaults;
-  const auto apply = [&](auto&& f) {
-    try {
-      f();
-    } catch (const Error&) {
-      if (!error) error = std::current_exception();
-    }
-  };
-  apply([&] {
-    if (o.timeout == defaults.timeout) o.timeout = env.seconds("DDP_TIMEOUT").value_or(o.timeout);
-  });
-  if (o.token.empty()) o.token = env.get("DDP_TOKEN");
-  apply([&] {
-    if (o.transport != HostTransport::automatic) return;
-    const std::string t = env.get("DDP_HOST_TRANSPORT");
-    if (t == "tcp")
-      o.transport = HostTransport::tcp;
-    else if (t == "shm")
-      o.transport = HostTransport::shm;
-    else if (!t.empty() && t != "auto")
-      detail::fail(Errc::invalid_argument, "DDP_HOST_TRANSPORT=\"", t, "\": use shm, tcp or auto");
-  });
-  apply([&] {
-    if (o.segment_bytes != 0) return;
-    o.segment_bytes =
-        static_cast<std::size_t>(env.whole_number("DDP_SEGMENT_BYTES", 4096, std::uint64_t{1} << 40,
-                                                  "a number of bytes in [4096, 2^40]")
-                                     .value_or(0));
-  });
-  apply([&] {
-    if (o.shm_single_copy_bytes != 0) return;
-    const std::string v = env.get("DDP_SHM_SINGLE_COPY");
-    if (v == "auto") return;  // 0: the default
-    o.shm_single_copy_bytes =
-        v == "off" ? never
-                   : static_cast<std::size_t>(
-                         env.whole_number("DDP_SHM_SINGLE_COPY", 1, std::uint64_t{1} << 40,
-                                          "a number of bytes in [1, 2^40], auto or off")
-                             .value_or(0));
-  });
-  apply([&] {
-    if (o.verify_collectives == defaults.verify_collectives)
-      o.verify_collectives = env.flag("DDP_VERIFY_COLLECTIVES").value_or(o.verify_collectives);
-  });
-  apply([&] {
-    if (o.trace_entries != defaults.trace_entries) return;
-    o.trace_entries = static_cast<std::size_t>(
-        env.whole_number("DDP_TRACE_ENTRIES", 0, 1000000,
-                         "a number of records in [0, 1000000] (0 turns the flight recorder "
-                         "off)")
-            .value_or(o.trace_entries));
-  });
-  if (o.trace_dump.empty()) o.trace_dump = env.get("DDP_TRACE_DUMP");
-  if (o.store.empty()) o.store = env.get("DDP_STORE");
-  if (o.timeline.empty()) o.timeline = env.get("DDP_TIMELINE");
-  apply([&] {
-    if (o.heartbeat != defaults.heartbeat) return;
-    if (const std::string v = env.get("DDP_HEARTBEAT"); v == "0" || v == "off")
-      o.heartbeat = std::chrono::milliseconds(0);
-    else
-      o.heartbeat = env.seconds("DDP_HEARTBEAT").value_or(o.heartbeat);
-  });
-  apply([&] {
-    if (o.hierarchy != HostHierarchy::automatic) return;
-    const std::string h = env.get("DDP_HIERARCHY");
-    if (h == "flat")
-      o.hierarchy = HostHierarchy::flat;
-    else if (h == "slices")
-      o.hierarchy = HostHierarchy::slices;
-    else if (h == "leaders")
-      o.hierarchy = HostHierarchy::leaders;
-    else if (!h.empty() && h != "auto")
-      detail::fail(Errc::invalid_argument, "DDP_HIERARCHY=\"", h,
-                   "\": use auto, flat, slices or leaders");
-  });
-  return o;
-}
-#endif  // DDP_BODIES
-
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/impl/options.ipp"
+#endif

@@ -435,12 +435,6 @@ class Counts {
   std::span<const std::size_t> view_;
 };
 
-#if DDP_BODIES
-DDP_INLINE Counts::Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
-
-DDP_INLINE Counts::Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
-#endif  // DDP_BODIES
-
 /// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
 /// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive
 /// and untouched until the batch's Work completes.
@@ -542,3 +536,7 @@ struct tensor_traits<Into<T>> : detail::role_traits<T> {
 };
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/impl/tensor.ipp"
+#endif

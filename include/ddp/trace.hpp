@@ -4,6 +4,6 @@
 
 /// \file
 /// The flight recorder (FlightRecorder, TraceRecord, the dumps), under its older name: it lives
-/// in ddp/comm/recorder.hpp, beside the runner that writes it.
+/// in ddp/observe/recorder.hpp, beside the runner that writes it.
 
-#include "ddp/comm/recorder.hpp"
+#include "ddp/observe/recorder.hpp"

@@ -421,12 +421,6 @@ struct Device {
 
 /// "cpu" or "cuda:N", as torch prints devices.
 [[nodiscard]] DDP_INLINE std::string to_string(const Device& d);
-#if DDP_BODIES
-DDP_INLINE std::string to_string(const Device& d) {
-  if (d.is_cpu()) return "cpu";
-  return detail::concat(to_string(d.kind), ':', d.index);
-}
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 
@@ -504,3 +498,7 @@ class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
 };
 
 }  // namespace std
+
+#if DDP_BODIES
+#include "ddp/impl/types.ipp"
+#endif

@@ -156,6 +156,29 @@ DDP_END_NAMESPACE
 #define DDP_UNLIKELY(x) (x)
 #endif
 // end ddp/config.hpp
+// begin ddp/data/partition.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Splitting a dataset between ranks.
+///
+///  * DataPartitioner<Dataset> (the DataPartitioner of PyTorch's distributed tutorial): shuffles
+///  the indices once with a seed
+///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
+///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
+///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
+///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
+///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
+///    exact_mean() weighs the per-rank results), state()/restore() to resume mid-epoch, and
+///    repartition() to go on over another number of ranks mid-epoch (after shrink()).
+///
+/// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
+/// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
+/// rejection) and the shuffle (Fisher-Yates from the top) are specified here, so every rank, every
+/// compiler and every run computes the same permutation from the same seed.
+
+// #include "ddp/config.hpp" (already included above)
 // begin ddp/error.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -253,22 +276,10 @@ class ErrcCategory final : public std::error_category {
   [[nodiscard]] DDP_INLINE std::string message(int value) const override;
 };
 
-#if DDP_BODIES
-DDP_INLINE std::string ErrcCategory::message(int value) const {
-  return std::string(to_string(static_cast<Errc>(value)));
-}
-#endif  // DDP_BODIES
-
 }  // namespace detail
 
 /// The std::error_category of ddp::Errc, for code that works with std::error_code.
 [[nodiscard]] DDP_INLINE const std::error_category& error_category() noexcept;
-#if DDP_BODIES
-DDP_INLINE const std::error_category& error_category() noexcept {
-  static const detail::ErrcCategory category;
-  return category;
-}
-#endif  // DDP_BODIES
 
 /// The std::error_code of an Errc in error_category(); found by ADL for `std::error_code ec = e;`.
 [[nodiscard]] inline std::error_code make_error_code(Errc code) noexcept {
@@ -310,27 +321,6 @@ class Error : public std::runtime_error {
   std::size_t origin_at_ = 0;
   std::vector<int> lost_;
 };
-
-#if DDP_BODIES
-DDP_INLINE Error::Error(Errc code, const std::string& message)
-    : std::runtime_error(message), code_(code) {}
-
-DDP_INLINE Error::Error(Errc code, const char* message)
-    : std::runtime_error(message), code_(code) {}
-
-DDP_INLINE std::string_view Error::origin_message() const noexcept {
-  const std::string_view whole = what();
-  return origin_at_ < whole.size() ? whole.substr(origin_at_) : std::string_view{};
-}
-
-DDP_INLINE Error::Error(Errc code, std::string_view context, int origin_rank,
-                        std::string_view origin_message, std::vector<int> lost_ranks)
-    : std::runtime_error(std::string(context).append(origin_message)),
-      code_(code),
-      origin_(origin_rank),
-      origin_at_(context.size()),
-      lost_(std::move(lost_ranks)) {}
-#endif  // DDP_BODIES
 
 namespace detail {
 
@@ -380,6 +370,54 @@ DDP_END_NAMESPACE
 
 template <>
 struct std::is_error_code_enum<ddp::Errc> : std::true_type {};
+
+#if DDP_BODIES
+// begin ddp/impl/error.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/error.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string ErrcCategory::message(int value) const {
+  return std::string(to_string(static_cast<Errc>(value)));
+}
+}  // namespace detail
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE const std::error_category& error_category() noexcept {
+  static const detail::ErrcCategory category;
+  return category;
+}
+
+DDP_INLINE Error::Error(Errc code, const std::string& message)
+    : std::runtime_error(message), code_(code) {}
+
+DDP_INLINE Error::Error(Errc code, const char* message)
+    : std::runtime_error(message), code_(code) {}
+
+DDP_INLINE std::string_view Error::origin_message() const noexcept {
+  const std::string_view whole = what();
+  return origin_at_ < whole.size() ? whole.substr(origin_at_) : std::string_view{};
+}
+
+DDP_INLINE Error::Error(Errc code, std::string_view context, int origin_rank,
+                        std::string_view origin_message, std::vector<int> lost_ranks)
+    : std::runtime_error(std::string(context).append(origin_message)),
+      code_(code),
+      origin_(origin_rank),
+      origin_at_(context.size()),
+      lost_(std::move(lost_ranks)) {}
+
+DDP_END_NAMESPACE
+// end ddp/impl/error.ipp
+#endif
 // end ddp/error.hpp
 // begin ddp/process_group.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -816,12 +854,6 @@ struct Device {
 
 /// "cpu" or "cuda:N", as torch prints devices.
 [[nodiscard]] DDP_INLINE std::string to_string(const Device& d);
-#if DDP_BODIES
-DDP_INLINE std::string to_string(const Device& d) {
-  if (d.is_cpu()) return "cpu";
-  return detail::concat(to_string(d.kind), ':', d.index);
-}
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
 
@@ -899,6 +931,26 @@ class numeric_limits<ddp::bfloat16> : public ddp::detail::SmallFloatLimits {
 };
 
 }  // namespace std
+
+#if DDP_BODIES
+// begin ddp/impl/types.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/types.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE std::string to_string(const Device& d) {
+  if (d.is_cpu()) return "cpu";
+  return detail::concat(to_string(d.kind), ':', d.index);
+}
+
+DDP_END_NAMESPACE
+// end ddp/impl/types.ipp
+#endif
 // end ddp/types.hpp
 
 #include <concepts>
@@ -917,6 +969,501 @@ concept ProcessGroup = requires(C& c, std::span<double> values, std::span<std::i
 
 DDP_END_NAMESPACE
 // end ddp/process_group.hpp
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// A dataset: a size and indexed access (a std::vector, a span, your own class).
+template <class D>
+concept Dataset = requires(const D& d, std::size_t i) {
+  { d.size() } -> std::convertible_to<std::size_t>;
+  d[i];
+};
+
+namespace detail {
+
+__extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: no -Wpedantic
+
+/// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state advanced by the golden-ratio increment and
+/// mixed by two xor-shift-multiply rounds.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) noexcept;
+
+  std::uint64_t next() noexcept;
+
+  /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
+  std::uint64_t below(std::uint64_t bound) noexcept;
+
+ private:
+  std::uint64_t state_;
+};
+
+/// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
+[[nodiscard]] DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed);
+
+}  // namespace detail
+
+/// A view of part of a dataset: size(), operator[], begin()/end(). It shares the index list with
+/// its DataPartitioner (so it may outlive it) and refers to the dataset, which must outlive it.
+template <Dataset D>
+class Partition {
+ public:
+  /// The `count` elements of `data` whose indices are order[first .. first + count); made by
+  /// DataPartitioner::use.
+  Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
+            std::size_t count)
+      : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
+
+  /// The number of elements in this part.
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  /// Whether the part has no elements.
+  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
+  [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
+    return (*data_)[(*order_)[first_ + i]];
+  }
+  /// The element at position i; Errc::invalid_argument when i is out of range.
+  [[nodiscard]] decltype(auto) at(std::size_t i) const {
+    if (i >= count_)
+      detail::fail(Errc::invalid_argument, "Partition::at: position ", i,
+                   " is out of range (the part has ", count_, " elements)");
+    return (*this)[i];
+  }
+  /// The dataset indices of this part, in order.
+  [[nodiscard]] std::span<const std::size_t> indices() const noexcept {
+    return std::span<const std::size_t>(*order_).subspan(first_, count_);
+  }
+
+  /// A forward iterator over the part's elements, in the part's order.
+  class iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;  ///< A forward iterator.
+    using difference_type = std::ptrdiff_t;               ///< Distance between positions.
+    /// The dataset's element type.
+    using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
+    /// A singular iterator (not attached to a part).
+    iterator() = default;
+    /// Position `i` of part `*p`.
+    iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
+    /// The element at this position, as the dataset's operator[] returns it.
+    decltype(auto) operator*() const { return (*p_)[i_]; }
+    /// Moves to the next position.
+    iterator& operator++() {
+      ++i_;
+      return *this;
+    }
+    /// Moves to the next position, returning the previous one.
+    iterator operator++(int) {
+      iterator t = *this;
+      ++i_;
+      return t;
+    }
+    /// Same position (iterators of the same part).
+    friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
+
+   private:
+    const Partition* p_ = nullptr;
+    std::size_t i_ = 0;
+  };
+  /// The first element.
+  [[nodiscard]] iterator begin() const { return iterator(this, 0); }
+  /// Past the last element.
+  [[nodiscard]] iterator end() const { return iterator(this, count_); }
+
+ private:
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::size_t first_, count_;
+};
+
+/// The DataPartitioner of PyTorch's "Writing Distributed Applications" tutorial: the dataset's
+/// indices shuffled once by `seed`, then cut into consecutive parts of floor(fraction * size)
+/// elements each. The same on every rank.
+template <Dataset D>
+class DataPartitioner {
+ public:
+  /// Parts of the given fractions (each in (0, 1], summing to at most 1).
+  DataPartitioner(const D& data, std::vector<double> fractions, std::uint64_t seed = 1234)
+      : data_(&data) {
+    if (fractions.empty())
+      detail::fail(Errc::invalid_argument, "DataPartitioner: no fractions given");
+    double total = 0;
+    for (std::size_t i = 0; i < fractions.size(); ++i) {
+      const double f = fractions[i];
+      if (!(f > 0 && f <= 1))
+        detail::fail(Errc::invalid_argument, "DataPartitioner: fraction ", i, " is ", f,
+                     "; each must be in (0, 1]");
+      total += f;
+    }
+    if (total > 1 + 1e-9)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: the fractions sum to ", total,
+                   ", more than 1");
+    const std::size_t n = data.size();
+    order_ = std::make_shared<const std::vector<std::size_t>>(detail::permutation(n, seed));
+    std::size_t at = 0;
+    for (const double f : fractions) {
+      const auto len =
+          std::min(n - at, static_cast<std::size_t>(std::floor(f * static_cast<double>(n))));
+      parts_.emplace_back(at, len);
+      at += len;
+    }
+  }
+
+  /// Parts of the given fractions, written in braces: `DataPartitioner(data, {0.8, 0.2})`.
+  DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
+      : DataPartitioner(data, std::vector<double>(fractions), seed) {}
+
+  /// `parts` equal parts (one per rank): floor(size / parts) elements each.
+  DataPartitioner(const D& data, int parts, std::uint64_t seed = 1234)
+      : DataPartitioner(data, equal(parts), seed) {}
+
+  /// A temporary dataset would dangle: keep the dataset alive and pass it by name.
+  DataPartitioner(const D&& data, std::vector<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
+  DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
+
+  /// The number of parts.
+  [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
+
+  /// A view of part i; Errc::invalid_argument when there is no such part.
+  [[nodiscard]] Partition<D> use(std::size_t i) const {
+    if (i >= parts_.size())
+      detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): there are ",
+                   parts_.size(), " parts");
+    return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
+  }
+  /// A view of part i (e.g. the rank); Errc::invalid_argument when i is negative or too large.
+  [[nodiscard]] Partition<D> use(int i) const {
+    if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
+    return use(static_cast<std::size_t>(i));
+  }
+
+ private:
+  static std::vector<double> equal(int parts) {
+    if (parts < 1)
+      detail::fail(Errc::invalid_argument, "DataPartitioner: ", parts, " parts; need at least 1");
+    return std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts);
+  }
+
+  const D* data_;
+  std::shared_ptr<const std::vector<std::size_t>> order_;
+  std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
+};
+
+/// How a DistributedSampler orders and splits the dataset (torch's constructor arguments).
+struct SamplerOptions {
+  /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
+  bool shuffle = true;
+  /// The shuffle's seed; must be the same on every rank.
+  std::uint64_t seed = 0;
+  /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
+  bool drop_last = false;
+  /// For evaluation: every sample exactly once over all ranks, no padding and no cut (shards
+  /// differ by at most one; weigh per-rank results with exact_mean()). Excludes drop_last.
+  bool exact = false;
+};
+
+/// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
+struct SamplerState {
+  /// The epoch in progress (set_epoch).
+  std::uint64_t epoch = 0;
+  /// Samples of this rank's shard already consumed in that epoch.
+  std::uint64_t offset = 0;
+  /// SamplerOptions::seed, checked on restore.
+  std::uint64_t seed = 0;
+  /// The dataset size, checked on restore.
+  std::uint64_t dataset_size = 0;
+  /// The number of ranks, checked on restore.
+  std::uint64_t num_replicas = 0;
+  /// When the epoch changed world size (DistributedSampler::repartition): each earlier part's
+  /// number of ranks and the samples per rank it took, oldest first (ranks, taken, ranks, ...).
+  std::vector<std::uint64_t> earlier{};
+};
+
+/// torch.utils.data.DistributedSampler's semantics (see the file comment).
+class DistributedSampler {
+ public:
+  /// Rank `rank`'s sampler of `dataset_size` samples over `num_replicas` ranks;
+  /// Errc::invalid_argument for a bad rank or count, or for exact together with drop_last.
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
+                     SamplerOptions options = {});
+
+  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset (and
+  /// the earlier world sizes of repartition()).
+  void set_epoch(std::uint64_t epoch) noexcept;
+  /// The current epoch (0 until set_epoch).
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one;
+  /// after repartition(), in what is left of the epoch).
+  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_, order_length()); }
+  /// Samples over all ranks in an epoch (padded or cut; after repartition(), of what is left).
+  [[nodiscard]] std::size_t total_size() const noexcept { return order_length(); }
+
+  /// This rank's dataset indices for the current epoch, from the restored offset on.
+  [[nodiscard]] std::vector<std::size_t> indices() const;
+
+  /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
+  /// what a training loop calls after each batch, so that state() is where it is.
+  void advance(std::size_t consumed);
+  /// How it orders and splits (the constructor's options).
+  [[nodiscard]] const SamplerOptions& options() const noexcept { return o_; }
+  /// The dataset size it was made for.
+  [[nodiscard]] std::size_t dataset_size() const noexcept { return n_; }
+
+  /// The state to resume from after `consumed` more samples of this epoch's indices().
+  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const;
+
+  /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
+  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise);
+  /// a state saved after repartition() carries the epoch's earlier world sizes.
+  void restore(const SamplerState& s);
+
+  /// Goes on with the current epoch over `num_replicas` ranks, this sampler being rank `rank`'s,
+  /// after every rank of the old world consumed `consumed` more samples of indices() (the same
+  /// number: the ranks step together; a rank whose exact-mode shard was shorter consumed all of
+  /// it). The samples no rank of the old world has taken are dealt out over the new ranks as
+  /// set_epoch deals an epoch (padded by wrapping around, cut with drop_last, exact: not at all),
+  /// so that with `exact` every sample of the epoch is seen exactly once however often the world
+  /// changes. Every new rank calls it with the same arguments but its rank (a rank that joins
+  /// restores the state a member had before the call, then calls it). Local: no communication.
+  void repartition(int num_replicas, int rank, std::size_t consumed = 0);
+
+ private:
+  [[nodiscard]] std::size_t first_replicas() const noexcept;
+  /// An order of `order.size()` samples made ready for `r` ranks: padded by wrapping around to a
+  /// multiple of r, or cut to one (drop_last), or left (exact).
+  void fit(std::vector<std::size_t>& order, std::size_t r) const;
+  /// The length of the current part's order (fit() of what earlier parts left), computed.
+  [[nodiscard]] std::size_t order_length() const noexcept;
+  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept;
+
+  std::size_t n_;
+  int replicas_;
+  int rank_;
+  SamplerOptions o_;
+  std::uint64_t epoch_ = 0;
+  std::uint64_t offset_ = 0;
+  std::vector<std::uint64_t> earlier_;
+};
+
+/// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
+/// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
+/// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
+template <ProcessGroup Comm>
+[[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
+  std::vector<double> v{local_sum, static_cast<double>(local_count)};
+  comm.all_reduce_host(std::span<double>(v));
+  return v[1] > 0 ? v[0] / v[1] : 0.0;
+}
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/data/impl/partition.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/data/partition.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE SplitMix64::SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+DDP_INLINE std::uint64_t SplitMix64::next() noexcept {
+  std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+DDP_INLINE std::uint64_t SplitMix64::below(std::uint64_t bound) noexcept {
+  u128 m = static_cast<u128>(next()) * bound;
+  auto low = static_cast<std::uint64_t>(m);
+  if (low < bound) {
+    const std::uint64_t threshold = (0 - bound) % bound;
+    while (low < threshold) {
+      m = static_cast<u128>(next()) * bound;
+      low = static_cast<std::uint64_t>(m);
+    }
+  }
+  return static_cast<std::uint64_t>(m >> 64);
+}
+
+DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
+  std::vector<std::size_t> p(n);
+  std::iota(p.begin(), p.end(), std::size_t{0});
+  SplitMix64 rng(seed);
+  for (std::size_t i = n; i > 1; --i) {
+    const auto j = static_cast<std::size_t>(rng.below(i));
+    std::swap(p[i - 1], p[j]);
+  }
+  return p;
+}
+}  // namespace detail
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE DistributedSampler::DistributedSampler(std::size_t dataset_size, int num_replicas,
+                                                  int rank, SamplerOptions options)
+    : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
+  if (num_replicas < 1)
+    detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
+                 "; need at least 1");
+  if (rank < 0 || rank >= num_replicas)
+    detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank, " is out of range [0, ",
+                 num_replicas, ")");
+  if (o_.exact && o_.drop_last)
+    detail::fail(Errc::invalid_argument,
+                 "DistributedSampler: exact and drop_last exclude each other");
+}
+
+DDP_INLINE void DistributedSampler::set_epoch(std::uint64_t epoch) noexcept {
+  epoch_ = epoch;
+  offset_ = 0;
+  earlier_.clear();
+}
+
+DDP_INLINE std::vector<std::size_t> DistributedSampler::indices() const {
+  std::vector<std::size_t> order;
+  if (o_.shuffle) {
+    order = detail::permutation(n_, o_.seed + epoch_);
+  } else {
+    order.resize(n_);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+  }
+  fit(order, first_replicas());
+  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+    // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
+    // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
+    const std::size_t gone = std::min<std::size_t>(
+        order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+    order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
+    fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                       : static_cast<std::size_t>(replicas_));
+  }
+  std::vector<std::size_t> mine;
+  mine.reserve(size());
+  for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
+       i += static_cast<std::size_t>(replicas_)) {
+    mine.push_back(order[i]);
+  }
+  mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
+                                              std::min<std::uint64_t>(offset_, mine.size())));
+  return mine;
+}
+
+DDP_INLINE void DistributedSampler::advance(std::size_t consumed) {
+  if (consumed > size() - std::min<std::size_t>(size(), offset_))
+    detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ", consumed,
+                 " samples of a shard of ", size());
+  offset_ += consumed;
+}
+
+DDP_INLINE SamplerState DistributedSampler::state(std::size_t consumed) const {
+  return SamplerState{
+      epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
+}
+
+DDP_INLINE void DistributedSampler::restore(const SamplerState& s) {
+  if (s.dataset_size != n_ || s.seed != o_.seed ||
+      s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
+    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: the state is of a run with ",
+                 s.dataset_size, " samples, seed ", s.seed, " and ", s.num_replicas,
+                 " ranks; this sampler has ", n_, ", ", o_.seed, " and ", replicas_,
+                 s.num_replicas != static_cast<std::uint64_t>(replicas_)
+                     ? " (to go on over another number of ranks mid-epoch, restore with the "
+                       "old number and call repartition())"
+                     : "");
+  }
+  // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
+  bool damaged = s.earlier.size() % 2 != 0;
+  for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
+    damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
+  if (damaged)
+    detail::fail(Errc::invalid_argument,
+                 "DistributedSampler::restore: a damaged state (its earlier world sizes "
+                 "cannot be those of an epoch of ",
+                 n_, " samples)");
+  const std::vector<std::uint64_t> saved = earlier_;
+  earlier_ = s.earlier;
+  if (s.offset > size()) {
+    earlier_ = saved;
+    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
+                 " is past the ", size(), " samples of the shard");
+  }
+  epoch_ = s.epoch;
+  offset_ = s.offset;
+}
+
+DDP_INLINE void DistributedSampler::repartition(int num_replicas, int rank, std::size_t consumed) {
+  if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
+    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
+                 num_replicas, " ranks");
+  if (consumed > size() - std::min<std::size_t>(size(), offset_))
+    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
+                 consumed, " samples consumed of a shard of ", size());
+  earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
+  replicas_ = num_replicas;
+  rank_ = rank;
+  offset_ = 0;
+}
+
+DDP_INLINE std::size_t DistributedSampler::first_replicas() const noexcept {
+  return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
+                                                   : earlier_[0]);
+}
+
+DDP_INLINE void DistributedSampler::fit(std::vector<std::size_t>& order, std::size_t r) const {
+  if (o_.exact || order.empty()) return;
+  const std::size_t base = order.size();
+  const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
+  for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
+  order.resize(total);
+}
+
+DDP_INLINE std::size_t DistributedSampler::order_length() const noexcept {
+  const auto fitted = [&](std::size_t len, std::size_t r) {
+    if (o_.exact || len == 0) return len;
+    return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
+  };
+  std::size_t len = fitted(n_, first_replicas());
+  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
+    len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
+    len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
+                                              : static_cast<std::size_t>(replicas_));
+  }
+  return len;
+}
+
+DDP_INLINE std::size_t DistributedSampler::shard_size(int rank, std::size_t len) const noexcept {
+  const auto r = static_cast<std::size_t>(replicas_);
+  return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
+}
+
+DDP_END_NAMESPACE
+// end ddp/data/impl/partition.ipp
+#endif
+// end ddp/data/partition.hpp
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
 // begin ddp/tensor.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -1374,12 +1921,6 @@ class Counts {
   std::span<const std::size_t> view_;
 };
 
-#if DDP_BODIES
-DDP_INLINE Counts::Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
-
-DDP_INLINE Counts::Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
-#endif  // DDP_BODIES
-
 /// One operation of Communicator::batch_isend_irecv (torch's dist.P2POp): P2POp::send(t, peer)
 /// or P2POp::recv(t, peer), with a tag. It refers to the tensor's memory, which must stay alive
 /// and untouched until the batch's Work completes.
@@ -1481,511 +2022,27 @@ struct tensor_traits<Into<T>> : detail::role_traits<T> {
 };
 
 DDP_END_NAMESPACE
-// end ddp/tensor.hpp
-// begin ddp/training/partition.hpp
+
+#if DDP_BODIES
+// begin ddp/impl/tensor.ipp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
-/// \file
-/// Splitting a dataset between ranks.
-///
-///  * DataPartitioner<Dataset> (the DataPartitioner of PyTorch's distributed tutorial): shuffles
-///  the indices once with a seed
-///    and cuts them into parts of the given fractions; `use(i)` is a view of part i.
-///  * DistributedSampler (torch.utils.data.DistributedSampler): per epoch, a shuffled order of the
-///    whole dataset (seed + epoch), padded by wrapping around to a multiple of the number of ranks
-///    (or cut with drop_last); rank r takes positions r, r + R, r + 2R, ... Beyond torch: an exact
-///    mode for evaluation (every sample exactly once, no padding: shards differ by at most one, and
-///    exact_mean() weighs the per-rank results), state()/restore() to resume mid-epoch, and
-///    repartition() to go on over another number of ranks mid-epoch (after shrink()).
-///
-/// Shuffles never use std::shuffle or std::uniform_int_distribution, whose results differ between
-/// standard libraries: the generator (SplitMix64), the bounded draw (Lemire's multiply-shift with
-/// rejection) and the shuffle (Fisher-Yates from the top) are specified here, so every rank, every
-/// compiler and every run computes the same permutation from the same seed.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-
-#include <cmath>
-#include <concepts>
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <iterator>
-#include <memory>
-#include <numeric>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
+// The bodies of <ddp/tensor.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
 DDP_BEGIN_NAMESPACE
 
-/// A dataset: a size and indexed access (a std::vector, a span, your own class).
-template <class D>
-concept Dataset = requires(const D& d, std::size_t i) {
-  { d.size() } -> std::convertible_to<std::size_t>;
-  d[i];
-};
+DDP_INLINE Counts::Counts(std::initializer_list<std::size_t> c) : own_(c), view_(own_) {}
 
-namespace detail {
-
-__extension__ typedef unsigned __int128 u128;  // GCC and Clang; __extension__: no -Wpedantic
-
-/// SplitMix64 (Steele, Lea, Flood 2014): a 64-bit state advanced by the golden-ratio increment and
-/// mixed by two xor-shift-multiply rounds.
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) noexcept;
-
-  std::uint64_t next() noexcept;
-
-  /// Uniform in [0, bound), bound > 0: Lemire's multiply-shift with rejection (unbiased).
-  std::uint64_t below(std::uint64_t bound) noexcept;
-
- private:
-  std::uint64_t state_;
-};
-
-#if DDP_BODIES
-DDP_INLINE SplitMix64::SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
-
-DDP_INLINE std::uint64_t SplitMix64::next() noexcept {
-  std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-DDP_INLINE std::uint64_t SplitMix64::below(std::uint64_t bound) noexcept {
-  u128 m = static_cast<u128>(next()) * bound;
-  auto low = static_cast<std::uint64_t>(m);
-  if (low < bound) {
-    const std::uint64_t threshold = (0 - bound) % bound;
-    while (low < threshold) {
-      m = static_cast<u128>(next()) * bound;
-      low = static_cast<std::uint64_t>(m);
-    }
-  }
-  return static_cast<std::uint64_t>(m >> 64);
-}
-#endif  // DDP_BODIES
-
-/// 0, 1, ..., n-1 in the order a Fisher-Yates shuffle (from the top) with SplitMix64(seed) gives.
-[[nodiscard]] DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::size_t> permutation(std::size_t n, std::uint64_t seed) {
-  std::vector<std::size_t> p(n);
-  std::iota(p.begin(), p.end(), std::size_t{0});
-  SplitMix64 rng(seed);
-  for (std::size_t i = n; i > 1; --i) {
-    const auto j = static_cast<std::size_t>(rng.below(i));
-    std::swap(p[i - 1], p[j]);
-  }
-  return p;
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
-/// A view of part of a dataset: size(), operator[], begin()/end(). It shares the index list with
-/// its DataPartitioner (so it may outlive it) and refers to the dataset, which must outlive it.
-template <Dataset D>
-class Partition {
- public:
-  /// The `count` elements of `data` whose indices are order[first .. first + count); made by
-  /// DataPartitioner::use.
-  Partition(const D& data, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t first,
-            std::size_t count)
-      : data_(&data), order_(std::move(order)), first_(first), count_(count) {}
-
-  /// The number of elements in this part.
-  [[nodiscard]] std::size_t size() const noexcept { return count_; }
-  /// Whether the part has no elements.
-  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
-  /// The dataset's element at this part's position i (no bounds check, like operator[] of vector).
-  [[nodiscard]] decltype(auto) operator[](std::size_t i) const {
-    return (*data_)[(*order_)[first_ + i]];
-  }
-  /// The element at position i; Errc::invalid_argument when i is out of range.
-  [[nodiscard]] decltype(auto) at(std::size_t i) const {
-    if (i >= count_)
-      detail::fail(Errc::invalid_argument, "Partition::at: position ", i,
-                   " is out of range (the part has ", count_, " elements)");
-    return (*this)[i];
-  }
-  /// The dataset indices of this part, in order.
-  [[nodiscard]] std::span<const std::size_t> indices() const noexcept {
-    return std::span<const std::size_t>(*order_).subspan(first_, count_);
-  }
-
-  /// A forward iterator over the part's elements, in the part's order.
-  class iterator {
-   public:
-    using iterator_category = std::forward_iterator_tag;  ///< A forward iterator.
-    using difference_type = std::ptrdiff_t;               ///< Distance between positions.
-    /// The dataset's element type.
-    using value_type = std::remove_cvref_t<decltype(std::declval<const D&>()[std::size_t{}])>;
-    /// A singular iterator (not attached to a part).
-    iterator() = default;
-    /// Position `i` of part `*p`.
-    iterator(const Partition* p, std::size_t i) : p_(p), i_(i) {}
-    /// The element at this position, as the dataset's operator[] returns it.
-    decltype(auto) operator*() const { return (*p_)[i_]; }
-    /// Moves to the next position.
-    iterator& operator++() {
-      ++i_;
-      return *this;
-    }
-    /// Moves to the next position, returning the previous one.
-    iterator operator++(int) {
-      iterator t = *this;
-      ++i_;
-      return t;
-    }
-    /// Same position (iterators of the same part).
-    friend bool operator==(const iterator& a, const iterator& b) { return a.i_ == b.i_; }
-
-   private:
-    const Partition* p_ = nullptr;
-    std::size_t i_ = 0;
-  };
-  /// The first element.
-  [[nodiscard]] iterator begin() const { return iterator(this, 0); }
-  /// Past the last element.
-  [[nodiscard]] iterator end() const { return iterator(this, count_); }
-
- private:
-  const D* data_;
-  std::shared_ptr<const std::vector<std::size_t>> order_;
-  std::size_t first_, count_;
-};
-
-/// The DataPartitioner of PyTorch's "Writing Distributed Applications" tutorial: the dataset's
-/// indices shuffled once by `seed`, then cut into consecutive parts of floor(fraction * size)
-/// elements each. The same on every rank.
-template <Dataset D>
-class DataPartitioner {
- public:
-  /// Parts of the given fractions (each in (0, 1], summing to at most 1).
-  DataPartitioner(const D& data, std::vector<double> fractions, std::uint64_t seed = 1234)
-      : data_(&data) {
-    if (fractions.empty())
-      detail::fail(Errc::invalid_argument, "DataPartitioner: no fractions given");
-    double total = 0;
-    for (std::size_t i = 0; i < fractions.size(); ++i) {
-      const double f = fractions[i];
-      if (!(f > 0 && f <= 1))
-        detail::fail(Errc::invalid_argument, "DataPartitioner: fraction ", i, " is ", f,
-                     "; each must be in (0, 1]");
-      total += f;
-    }
-    if (total > 1 + 1e-9)
-      detail::fail(Errc::invalid_argument, "DataPartitioner: the fractions sum to ", total,
-                   ", more than 1");
-    const std::size_t n = data.size();
-    order_ = std::make_shared<const std::vector<std::size_t>>(detail::permutation(n, seed));
-    std::size_t at = 0;
-    for (const double f : fractions) {
-      const auto len =
-          std::min(n - at, static_cast<std::size_t>(std::floor(f * static_cast<double>(n))));
-      parts_.emplace_back(at, len);
-      at += len;
-    }
-  }
-
-  /// Parts of the given fractions, written in braces: `DataPartitioner(data, {0.8, 0.2})`.
-  DataPartitioner(const D& data, std::initializer_list<double> fractions, std::uint64_t seed = 1234)
-      : DataPartitioner(data, std::vector<double>(fractions), seed) {}
-
-  /// `parts` equal parts (one per rank): floor(size / parts) elements each.
-  DataPartitioner(const D& data, int parts, std::uint64_t seed = 1234)
-      : DataPartitioner(data, equal(parts), seed) {}
-
-  /// A temporary dataset would dangle: keep the dataset alive and pass it by name.
-  DataPartitioner(const D&& data, std::vector<double>, std::uint64_t = 1234) = delete;
-  DataPartitioner(const D&& data, std::initializer_list<double>, std::uint64_t = 1234) = delete;
-  DataPartitioner(const D&& data, int, std::uint64_t = 1234) = delete;
-
-  /// The number of parts.
-  [[nodiscard]] std::size_t parts() const noexcept { return parts_.size(); }
-
-  /// A view of part i; Errc::invalid_argument when there is no such part.
-  [[nodiscard]] Partition<D> use(std::size_t i) const {
-    if (i >= parts_.size())
-      detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): there are ",
-                   parts_.size(), " parts");
-    return Partition<D>(*data_, order_, parts_[i].first, parts_[i].second);
-  }
-  /// A view of part i (e.g. the rank); Errc::invalid_argument when i is negative or too large.
-  [[nodiscard]] Partition<D> use(int i) const {
-    if (i < 0) detail::fail(Errc::invalid_argument, "DataPartitioner::use(", i, "): negative");
-    return use(static_cast<std::size_t>(i));
-  }
-
- private:
-  static std::vector<double> equal(int parts) {
-    if (parts < 1)
-      detail::fail(Errc::invalid_argument, "DataPartitioner: ", parts, " parts; need at least 1");
-    return std::vector<double>(static_cast<std::size_t>(parts), 1.0 / parts);
-  }
-
-  const D* data_;
-  std::shared_ptr<const std::vector<std::size_t>> order_;
-  std::vector<std::pair<std::size_t, std::size_t>> parts_;  // (first, count)
-};
-
-/// How a DistributedSampler orders and splits the dataset (torch's constructor arguments).
-struct SamplerOptions {
-  /// A new order each epoch (seed + epoch); off: 0, 1, 2, ...
-  bool shuffle = true;
-  /// The shuffle's seed; must be the same on every rank.
-  std::uint64_t seed = 0;
-  /// Cut the tail instead of padding, so every rank gets floor(size / ranks) distinct samples.
-  bool drop_last = false;
-  /// For evaluation: every sample exactly once over all ranks, no padding and no cut (shards
-  /// differ by at most one; weigh per-rank results with exact_mean()). Excludes drop_last.
-  bool exact = false;
-};
-
-/// Where a sampler is in an epoch, to resume a run (store it with the checkpoint).
-struct SamplerState {
-  /// The epoch in progress (set_epoch).
-  std::uint64_t epoch = 0;
-  /// Samples of this rank's shard already consumed in that epoch.
-  std::uint64_t offset = 0;
-  /// SamplerOptions::seed, checked on restore.
-  std::uint64_t seed = 0;
-  /// The dataset size, checked on restore.
-  std::uint64_t dataset_size = 0;
-  /// The number of ranks, checked on restore.
-  std::uint64_t num_replicas = 0;
-  /// When the epoch changed world size (DistributedSampler::repartition): each earlier part's
-  /// number of ranks and the samples per rank it took, oldest first (ranks, taken, ranks, ...).
-  std::vector<std::uint64_t> earlier{};
-};
-
-/// torch.utils.data.DistributedSampler's semantics (see the file comment).
-class DistributedSampler {
- public:
-  /// Rank `rank`'s sampler of `dataset_size` samples over `num_replicas` ranks;
-  /// Errc::invalid_argument for a bad rank or count, or for exact together with drop_last.
-  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
-                     SamplerOptions options = {});
-
-  /// Starts an epoch: its order is shuffled with seed + epoch. Resets a restored offset (and
-  /// the earlier world sizes of repartition()).
-  void set_epoch(std::uint64_t epoch) noexcept;
-  /// The current epoch (0 until set_epoch).
-  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
-
-  /// Samples per rank in an epoch (for this rank: in exact mode, ranks differ by at most one;
-  /// after repartition(), in what is left of the epoch).
-  [[nodiscard]] std::size_t size() const noexcept { return shard_size(rank_, order_length()); }
-  /// Samples over all ranks in an epoch (padded or cut; after repartition(), of what is left).
-  [[nodiscard]] std::size_t total_size() const noexcept { return order_length(); }
-
-  /// This rank's dataset indices for the current epoch, from the restored offset on.
-  [[nodiscard]] std::vector<std::size_t> indices() const;
-
-  /// Moves this rank's place in the epoch `consumed` samples on (indices() then starts there):
-  /// what a training loop calls after each batch, so that state() is where it is.
-  void advance(std::size_t consumed);
-  /// How it orders and splits (the constructor's options).
-  [[nodiscard]] const SamplerOptions& options() const noexcept { return o_; }
-  /// The dataset size it was made for.
-  [[nodiscard]] std::size_t dataset_size() const noexcept { return n_; }
-
-  /// The state to resume from after `consumed` more samples of this epoch's indices().
-  [[nodiscard]] SamplerState state(std::size_t consumed = 0) const;
-
-  /// Continues where state() left off: the same epoch, minus what was consumed. The dataset size,
-  /// seed and number of ranks must be those of the saved run (Errc::invalid_argument otherwise);
-  /// a state saved after repartition() carries the epoch's earlier world sizes.
-  void restore(const SamplerState& s);
-
-  /// Goes on with the current epoch over `num_replicas` ranks, this sampler being rank `rank`'s,
-  /// after every rank of the old world consumed `consumed` more samples of indices() (the same
-  /// number: the ranks step together; a rank whose exact-mode shard was shorter consumed all of
-  /// it). The samples no rank of the old world has taken are dealt out over the new ranks as
-  /// set_epoch deals an epoch (padded by wrapping around, cut with drop_last, exact: not at all),
-  /// so that with `exact` every sample of the epoch is seen exactly once however often the world
-  /// changes. Every new rank calls it with the same arguments but its rank (a rank that joins
-  /// restores the state a member had before the call, then calls it). Local: no communication.
-  void repartition(int num_replicas, int rank, std::size_t consumed = 0);
-
- private:
-  [[nodiscard]] std::size_t first_replicas() const noexcept;
-  /// An order of `order.size()` samples made ready for `r` ranks: padded by wrapping around to a
-  /// multiple of r, or cut to one (drop_last), or left (exact).
-  void fit(std::vector<std::size_t>& order, std::size_t r) const;
-  /// The length of the current part's order (fit() of what earlier parts left), computed.
-  [[nodiscard]] std::size_t order_length() const noexcept;
-  [[nodiscard]] std::size_t shard_size(int rank, std::size_t len) const noexcept;
-
-  std::size_t n_;
-  int replicas_;
-  int rank_;
-  SamplerOptions o_;
-  std::uint64_t epoch_ = 0;
-  std::uint64_t offset_ = 0;
-  std::vector<std::uint64_t> earlier_;
-};
-
-#if DDP_BODIES
-DDP_INLINE DistributedSampler::DistributedSampler(std::size_t dataset_size, int num_replicas,
-                                                  int rank, SamplerOptions options)
-    : n_(dataset_size), replicas_(num_replicas), rank_(rank), o_(options) {
-  if (num_replicas < 1)
-    detail::fail(Errc::invalid_argument, "DistributedSampler: num_replicas is ", num_replicas,
-                 "; need at least 1");
-  if (rank < 0 || rank >= num_replicas)
-    detail::fail(Errc::invalid_argument, "DistributedSampler: rank ", rank, " is out of range [0, ",
-                 num_replicas, ")");
-  if (o_.exact && o_.drop_last)
-    detail::fail(Errc::invalid_argument,
-                 "DistributedSampler: exact and drop_last exclude each other");
-}
-
-DDP_INLINE void DistributedSampler::set_epoch(std::uint64_t epoch) noexcept {
-  epoch_ = epoch;
-  offset_ = 0;
-  earlier_.clear();
-}
-
-DDP_INLINE std::vector<std::size_t> DistributedSampler::indices() const {
-  std::vector<std::size_t> order;
-  if (o_.shuffle) {
-    order = detail::permutation(n_, o_.seed + epoch_);
-  } else {
-    order.resize(n_);
-    std::iota(order.begin(), order.end(), std::size_t{0});
-  }
-  fit(order, first_replicas());
-  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
-    // Every rank took `taken` of its positions r, r + R, ...: together, the first taken * R
-    // (a rank whose exact-mode shard was shorter took all of it). The rest goes on.
-    const std::size_t gone = std::min<std::size_t>(
-        order.size(), static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
-    order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(gone));
-    fit(order, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
-                                       : static_cast<std::size_t>(replicas_));
-  }
-  std::vector<std::size_t> mine;
-  mine.reserve(size());
-  for (std::size_t i = static_cast<std::size_t>(rank_); i < order.size();
-       i += static_cast<std::size_t>(replicas_)) {
-    mine.push_back(order[i]);
-  }
-  mine.erase(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(
-                                              std::min<std::uint64_t>(offset_, mine.size())));
-  return mine;
-}
-
-DDP_INLINE void DistributedSampler::advance(std::size_t consumed) {
-  if (consumed > size() - std::min<std::size_t>(size(), offset_))
-    detail::fail(Errc::invalid_argument, "DistributedSampler::advance: ", offset_, " + ", consumed,
-                 " samples of a shard of ", size());
-  offset_ += consumed;
-}
-
-DDP_INLINE SamplerState DistributedSampler::state(std::size_t consumed) const {
-  return SamplerState{
-      epoch_, offset_ + consumed, o_.seed, n_, static_cast<std::uint64_t>(replicas_), earlier_};
-}
-
-DDP_INLINE void DistributedSampler::restore(const SamplerState& s) {
-  if (s.dataset_size != n_ || s.seed != o_.seed ||
-      s.num_replicas != static_cast<std::uint64_t>(replicas_)) {
-    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: the state is of a run with ",
-                 s.dataset_size, " samples, seed ", s.seed, " and ", s.num_replicas,
-                 " ranks; this sampler has ", n_, ", ", o_.seed, " and ", replicas_,
-                 s.num_replicas != static_cast<std::uint64_t>(replicas_)
-                     ? " (to go on over another number of ranks mid-epoch, restore with the "
-                       "old number and call repartition())"
-                     : "");
-  }
-  // Each earlier part: 1 to 2^31 - 1 ranks, each having taken at most the dataset.
-  bool damaged = s.earlier.size() % 2 != 0;
-  for (std::size_t i = 0; i + 1 < s.earlier.size() && !damaged; i += 2)
-    damaged = s.earlier[i] == 0 || s.earlier[i] > 0x7fffffffu || s.earlier[i + 1] > n_;
-  if (damaged)
-    detail::fail(Errc::invalid_argument,
-                 "DistributedSampler::restore: a damaged state (its earlier world sizes "
-                 "cannot be those of an epoch of ",
-                 n_, " samples)");
-  const std::vector<std::uint64_t> saved = earlier_;
-  earlier_ = s.earlier;
-  if (s.offset > size()) {
-    earlier_ = saved;
-    detail::fail(Errc::invalid_argument, "DistributedSampler::restore: offset ", s.offset,
-                 " is past the ", size(), " samples of the shard");
-  }
-  epoch_ = s.epoch;
-  offset_ = s.offset;
-}
-
-DDP_INLINE void DistributedSampler::repartition(int num_replicas, int rank, std::size_t consumed) {
-  if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
-    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: rank ", rank, " of ",
-                 num_replicas, " ranks");
-  if (consumed > size() - std::min<std::size_t>(size(), offset_))
-    detail::fail(Errc::invalid_argument, "DistributedSampler::repartition: ", offset_, " + ",
-                 consumed, " samples consumed of a shard of ", size());
-  earlier_.insert(earlier_.end(), {static_cast<std::uint64_t>(replicas_), offset_ + consumed});
-  replicas_ = num_replicas;
-  rank_ = rank;
-  offset_ = 0;
-}
-
-DDP_INLINE std::size_t DistributedSampler::first_replicas() const noexcept {
-  return static_cast<std::size_t>(earlier_.empty() ? static_cast<std::uint64_t>(replicas_)
-                                                   : earlier_[0]);
-}
-
-DDP_INLINE void DistributedSampler::fit(std::vector<std::size_t>& order, std::size_t r) const {
-  if (o_.exact || order.empty()) return;
-  const std::size_t base = order.size();
-  const std::size_t total = o_.drop_last ? base / r * r : (base + r - 1) / r * r;
-  for (std::size_t i = 0; order.size() < total; ++i) order.push_back(order[i % base]);
-  order.resize(total);
-}
-
-DDP_INLINE std::size_t DistributedSampler::order_length() const noexcept {
-  const auto fitted = [&](std::size_t len, std::size_t r) {
-    if (o_.exact || len == 0) return len;
-    return o_.drop_last ? len / r * r : (len + r - 1) / r * r;
-  };
-  std::size_t len = fitted(n_, first_replicas());
-  for (std::size_t i = 0; i + 1 < earlier_.size(); i += 2) {
-    len -= std::min<std::size_t>(len, static_cast<std::size_t>(earlier_[i] * earlier_[i + 1]));
-    len = fitted(len, i + 2 < earlier_.size() ? static_cast<std::size_t>(earlier_[i + 2])
-                                              : static_cast<std::size_t>(replicas_));
-  }
-  return len;
-}
-
-DDP_INLINE std::size_t DistributedSampler::shard_size(int rank, std::size_t len) const noexcept {
-  const auto r = static_cast<std::size_t>(replicas_);
-  return len / r + (static_cast<std::size_t>(rank) < len % r ? 1 : 0);
-}
-#endif  // DDP_BODIES
-
-/// The mean over all ranks of a per-sample quantity, each rank contributing the sum over its
-/// samples and their count (exact-mode shards differ in size, so averaging the per-rank means
-/// would be biased). Collective: every rank of `comm` calls it. 0 when there are no samples.
-template <ProcessGroup Comm>
-[[nodiscard]] double exact_mean(Comm& comm, double local_sum, std::size_t local_count) {
-  std::vector<double> v{local_sum, static_cast<double>(local_count)};
-  comm.all_reduce_host(std::span<double>(v));
-  return v[1] > 0 ? v[0] / v[1] : 0.0;
-}
+DDP_INLINE Counts::Counts(const Counts& o) : own_(o.own_), view_(o.owns() ? own_ : o.view_) {}
 
 DDP_END_NAMESPACE
-// end ddp/training/partition.hpp
-// begin ddp/training/sync_batch_norm.hpp
+// end ddp/impl/tensor.ipp
+#endif
+// end ddp/tensor.hpp
+// begin ddp/training/averaging/sync_batch_norm.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -2070,7 +2127,7 @@ template <class Comm, class R>
 }
 
 DDP_END_NAMESPACE
-// end ddp/training/sync_batch_norm.hpp
+// end ddp/training/averaging/sync_batch_norm.hpp
 // #include "ddp/types.hpp" (already included above)
 // begin ddp/version.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -2218,12 +2275,6 @@ inline constexpr std::size_t max_buffer_bytes =
 
 /// "part x p = product", or that the product overflows.
 [[nodiscard]] DDP_INLINE std::string product_text(std::size_t part, std::size_t p);
-#if DDP_BODIES
-DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
-  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
-  return concat(part, " x ", p, " = ", part * p);
-}
-#endif  // DDP_BODIES
 
 /// A type-erased buffer: `count` elements of `dtype`.
 struct Buf {
@@ -2335,7 +2386,33 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
 }
 
 [[nodiscard]] DDP_INLINE std::string to_string(const Fingerprint& f);
+
+/// A byte range of a rank's offer.
+struct Range {
+  std::size_t off = 0;
+  std::size_t len = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/impl/collective.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/collective.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
+  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
+  return concat(part, " x ", p, " = ", part * p);
+}
+
 DDP_INLINE std::string to_string(const Fingerprint& f) {
   std::string s = concat(to_string(f.coll), '(');
   if (is_uneven(f.coll))
@@ -2346,16 +2423,11 @@ DDP_INLINE std::string to_string(const Fingerprint& f) {
   if (f.root >= 0) s += concat(", root=", f.root);
   return s + concat(") #", f.seq);
 }
-#endif  // DDP_BODIES
-
-/// A byte range of a rank's offer.
-struct Range {
-  std::size_t off = 0;
-  std::size_t len = 0;
-};
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/impl/collective.ipp
+#endif
 // end ddp/backend/collective.hpp
 // begin ddp/detail/socket.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -2408,25 +2480,6 @@ struct Deadline {
   [[nodiscard]] int poll_ms(int cap = 1 << 30) const;
 };
 
-#if DDP_BODIES
-DDP_INLINE Deadline Deadline::after(std::chrono::milliseconds d) {
-  // Saturate: "5 years" must not overflow the clock.
-  const auto now = Clock::now();
-  const auto max_wait = Clock::time_point::max() - now;
-  if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
-    return {Clock::time_point::max()};
-  }
-  return {now + d};
-}
-
-DDP_INLINE int Deadline::poll_ms(int cap) const {
-  const auto left = at - Clock::now();
-  if (left <= Clock::duration::zero()) return 0;
-  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-  return static_cast<int>(std::min<long long>(ms, cap));
-}
-#endif  // DDP_BODIES
-
 /// An owned file descriptor.
 class Fd {
  public:
@@ -2448,100 +2501,25 @@ class Fd {
   int fd_ = -1;
 };
 
-#if DDP_BODIES
-DDP_INLINE Fd::Fd(int fd) noexcept : fd_(fd) {}
-
-DDP_INLINE Fd::Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-
-DDP_INLINE Fd& Fd::operator=(Fd&& o) noexcept {
-  if (this != &o) reset(std::exchange(o.fd_, -1));
-  return *this;
-}
-
-DDP_INLINE int Fd::release() noexcept { return std::exchange(fd_, -1); }
-
-DDP_INLINE void Fd::reset(int fd) noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
-#endif  // DDP_BODIES
-
 DDP_INLINE void set_nonblocking(int fd, bool on);
-#if DDP_BODIES
-DDP_INLINE void set_nonblocking(int fd, bool on) {
-  const int flags = ::fcntl(fd, F_GETFL, 0);
-  if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
-  if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
-    fail_errno(errno, "fcntl(F_SETFL)");
-  }
-}
-#endif  // DDP_BODIES
 
 /// Raises the soft limit on open descriptors to the hard limit (a server holding one descriptor
 /// per client runs out at the common default of 1024 long before memory does). Best effort.
 DDP_INLINE void raise_fd_limit() noexcept;
-#if DDP_BODIES
-DDP_INLINE void raise_fd_limit() noexcept {
-  rlimit lim{};
-  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
-  lim.rlim_cur = lim.rlim_max;
-  (void)::setrlimit(RLIMIT_NOFILE, &lim);
-}
-#endif  // DDP_BODIES
 
 /// Fails with Errc::system when `err` says that descriptors ran out (EMFILE: this process's
 /// limit, whose values are named; ENFILE: the system's), saying `doing` and what to do; returns
 /// for any other errno. Out of descriptors nothing gets better by retrying until a timeout.
 DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing);
-#if DDP_BODIES
-DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing) {
-  if (err != EMFILE && err != ENFILE) return;
-  if (err == ENFILE)
-    fail(Errc::system, doing,
-         ": the system is out of file descriptors (ENFILE: the kernel's fs.file-max is reached); "
-         "close programs or raise fs.file-max");
-  rlimit lim{};
-  (void)::getrlimit(RLIMIT_NOFILE, &lim);
-  const auto limit_text = [](rlim_t v) {
-    return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
-  };
-  fail(Errc::system, doing, ": out of file descriptors (EMFILE: this process has ",
-       limit_text(lim.rlim_cur), " open, its limit; hard limit ", limit_text(lim.rlim_max),
-       "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
-}
-#endif  // DDP_BODIES
 
 DDP_INLINE void set_nodelay(int fd);
-#if DDP_BODIES
-DDP_INLINE void set_nodelay(int fd) {
-  int one = 1;
-  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-#endif  // DDP_BODIES
 
 /// "host:port", with IPv6 literals in brackets.
 [[nodiscard]] DDP_INLINE std::string host_port(std::string_view host, int port);
-#if DDP_BODIES
-DDP_INLINE std::string host_port(std::string_view host, int port) {
-  if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
-  return concat(host, ':', port);
-}
-#endif  // DDP_BODIES
 
 /// The numeric address and port of a socket address.
 [[nodiscard]] DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa,
                                                                   socklen_t len);
-#if DDP_BODIES
-DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
-  char host[NI_MAXHOST] = {};
-  char serv[NI_MAXSERV] = {};
-  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
-                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
-    return {"?", 0};
-  }
-  return {host, std::atoi(serv)};
-}
-#endif  // DDP_BODIES
 
 /// Resolves host:port for TCP; throws Errc::invalid_argument when the name does not resolve.
 class AddrInfo {
@@ -2559,7 +2537,144 @@ class AddrInfo {
   addrinfo* list_ = nullptr;
 };
 
+/// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
+/// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
+[[nodiscard]] DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog = 1024);
+
+/// The port a bound socket listens on.
+[[nodiscard]] DDP_INLINE int local_port(int fd);
+
+/// The local address of a connected socket (the interface that reaches its peer).
+[[nodiscard]] DDP_INLINE std::string local_address(int fd);
+
+/// The peer of a connected socket as "addr:port".
+[[nodiscard]] DDP_INLINE std::string peer_name(int fd);
+
+/// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
+/// the kernel's ephemeral range while nothing listens there can be given that very port as the
+/// source port; TCP's simultaneous open then connects the socket to itself, and a client would
+/// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
+[[nodiscard]] DDP_INLINE bool connected_to_itself(int fd);
+
+/// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
+/// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
+/// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
+/// peer is known to have failed).
+/// `failed_errno`, when given, is set to the errno of the last attempt when it fails (ECONNREFUSED:
+/// nothing listens there).
+[[nodiscard]] DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
+                                        std::string_view what,
+                                        const std::function<void()>& check_stop = {},
+                                        int* failed_errno = nullptr);
+
+enum class IoResult { ok, closed, timeout };
+
+/// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
+[[nodiscard]] DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n,
+                                           Deadline deadline);
+
+/// Reads exactly n bytes before the deadline.
+[[nodiscard]] DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/socket.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/socket.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE Deadline Deadline::after(std::chrono::milliseconds d) {
+  // Saturate: "5 years" must not overflow the clock.
+  const auto now = Clock::now();
+  const auto max_wait = Clock::time_point::max() - now;
+  if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(max_wait)) {
+    return {Clock::time_point::max()};
+  }
+  return {now + d};
+}
+
+DDP_INLINE int Deadline::poll_ms(int cap) const {
+  const auto left = at - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<long long>(ms, cap));
+}
+
+DDP_INLINE Fd::Fd(int fd) noexcept : fd_(fd) {}
+
+DDP_INLINE Fd::Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+
+DDP_INLINE Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) reset(std::exchange(o.fd_, -1));
+  return *this;
+}
+
+DDP_INLINE int Fd::release() noexcept { return std::exchange(fd_, -1); }
+
+DDP_INLINE void Fd::reset(int fd) noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+DDP_INLINE void set_nonblocking(int fd, bool on) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  if (flags < 0) fail_errno(errno, "fcntl(F_GETFL)");
+  if (::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK)) < 0) {
+    fail_errno(errno, "fcntl(F_SETFL)");
+  }
+}
+
+DDP_INLINE void raise_fd_limit() noexcept {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  lim.rlim_cur = lim.rlim_max;
+  (void)::setrlimit(RLIMIT_NOFILE, &lim);
+}
+
+DDP_INLINE void fail_if_out_of_fds(int err, std::string_view doing) {
+  if (err != EMFILE && err != ENFILE) return;
+  if (err == ENFILE)
+    fail(Errc::system, doing,
+         ": the system is out of file descriptors (ENFILE: the kernel's fs.file-max is reached); "
+         "close programs or raise fs.file-max");
+  rlimit lim{};
+  (void)::getrlimit(RLIMIT_NOFILE, &lim);
+  const auto limit_text = [](rlim_t v) {
+    return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
+  };
+  fail(Errc::system, doing, ": out of file descriptors (EMFILE: this process has ",
+       limit_text(lim.rlim_cur), " open, its limit; hard limit ", limit_text(lim.rlim_max),
+       "); raise the limit (ulimit -n, or LimitNOFILE in a service) or open fewer files");
+}
+
+DDP_INLINE void set_nodelay(int fd) {
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+DDP_INLINE std::string host_port(std::string_view host, int port) {
+  if (host.find(':') != std::string_view::npos) return concat('[', host, "]:", port);
+  return concat(host, ':', port);
+}
+
+DDP_INLINE std::pair<std::string, int> numeric_name(const sockaddr* sa, socklen_t len) {
+  char host[NI_MAXHOST] = {};
+  char serv[NI_MAXSERV] = {};
+  if (::getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return {"?", 0};
+  }
+  return {host, std::atoi(serv)};
+}
+
 DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive,
                               std::string_view check) {
   addrinfo hints{};
@@ -2575,12 +2690,7 @@ DDP_INLINE AddrInfo::AddrInfo(const std::string& host, int port, bool passive,
          check);
   }
 }
-#endif  // DDP_BODIES
 
-/// A listening TCP socket bound to exactly `host` (all interfaces only when host is "0.0.0.0" or
-/// "::", which must be asked for). port 0 picks a free port. EADDRINUSE -> Errc::address_in_use.
-[[nodiscard]] DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog = 1024);
-#if DDP_BODIES
 DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog) {
   const AddrInfo ai(host, port, /*passive=*/true);
   int last_errno = 0;
@@ -2610,11 +2720,7 @@ DDP_INLINE Fd listen_tcp(const std::string& host, int port, int backlog) {
   }
   fail_errno(last_errno, "cannot listen on ", host_port(host, port));
 }
-#endif  // DDP_BODIES
 
-/// The port a bound socket listens on.
-[[nodiscard]] DDP_INLINE int local_port(int fd);
-#if DDP_BODIES
 DDP_INLINE int local_port(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
@@ -2622,11 +2728,7 @@ DDP_INLINE int local_port(int fd) {
     fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).second;
 }
-#endif  // DDP_BODIES
 
-/// The local address of a connected socket (the interface that reaches its peer).
-[[nodiscard]] DDP_INLINE std::string local_address(int fd);
-#if DDP_BODIES
 DDP_INLINE std::string local_address(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
@@ -2634,11 +2736,7 @@ DDP_INLINE std::string local_address(int fd) {
     fail_errno(errno, "getsockname");
   return numeric_name(reinterpret_cast<sockaddr*>(&ss), len).first;
 }
-#endif  // DDP_BODIES
 
-/// The peer of a connected socket as "addr:port".
-[[nodiscard]] DDP_INLINE std::string peer_name(int fd);
-#if DDP_BODIES
 DDP_INLINE std::string peer_name(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
@@ -2646,14 +2744,7 @@ DDP_INLINE std::string peer_name(int fd) {
   auto [h, p] = numeric_name(reinterpret_cast<sockaddr*>(&ss), len);
   return host_port(h, p);
 }
-#endif  // DDP_BODIES
 
-/// Whether a connected TCP socket is connected to itself. Connecting on this host to a port in
-/// the kernel's ephemeral range while nothing listens there can be given that very port as the
-/// source port; TCP's simultaneous open then connects the socket to itself, and a client would
-/// read its own requests back as answers (PyTorch's TCPStore hangs this way, now and then).
-[[nodiscard]] DDP_INLINE bool connected_to_itself(int fd);
-#if DDP_BODIES
 DDP_INLINE bool connected_to_itself(int fd) {
   sockaddr_storage local{}, peer{};
   socklen_t local_len = sizeof local, peer_len = sizeof peer;
@@ -2662,19 +2753,7 @@ DDP_INLINE bool connected_to_itself(int fd) {
     return false;
   return local_len == peer_len && std::memcmp(&local, &peer, local_len) == 0;
 }
-#endif  // DDP_BODIES
 
-/// Connects to host:port, retrying refused/unreachable attempts until the deadline (the server
-/// may not be up yet; a socket connected to itself counts as refused). Returns a blocking socket
-/// with TCP_NODELAY. `check_stop`, when given, runs between attempts and throws to give up (the
-/// peer is known to have failed).
-/// `failed_errno`, when given, is set to the errno of the last attempt when it fails (ECONNREFUSED:
-/// nothing listens there).
-[[nodiscard]] DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
-                                        std::string_view what,
-                                        const std::function<void()>& check_stop = {},
-                                        int* failed_errno = nullptr);
-#if DDP_BODIES
 DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
                           std::string_view what, const std::function<void()>& check_stop,
                           int* failed_errno) {
@@ -2735,14 +2814,7 @@ DDP_INLINE Fd connect_tcp(const std::string& host, int port, Deadline deadline,
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
 }
-#endif  // DDP_BODIES
 
-enum class IoResult { ok, closed, timeout };
-
-/// Writes all of [data, data+n) before the deadline. Works on blocking and non-blocking sockets.
-[[nodiscard]] DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n,
-                                           Deadline deadline);
-#if DDP_BODIES
 DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n, Deadline deadline) {
   const auto* p = static_cast<const std::byte*>(data);
   while (n > 0) {
@@ -2766,11 +2838,7 @@ DDP_INLINE IoResult send_all(int fd, const void* data, std::size_t n, Deadline d
   }
   return IoResult::ok;
 }
-#endif  // DDP_BODIES
 
-/// Reads exactly n bytes before the deadline.
-[[nodiscard]] DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline);
-#if DDP_BODIES
 DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadline) {
   auto* p = static_cast<std::byte*>(data);
   while (n > 0) {
@@ -2792,10 +2860,11 @@ DDP_INLINE IoResult recv_all(int fd, void* data, std::size_t n, Deadline deadlin
   }
   return IoResult::ok;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/socket.ipp
+#endif
 // end ddp/detail/socket.hpp
 // #include "ddp/error.hpp" (already included above)
 // begin ddp/options.hpp
@@ -2860,9 +2929,6 @@ using EnvLookup = std::function<const char*(const char*)>;
 
 /// The process environment (getenv).
 [[nodiscard]] DDP_INLINE const char* process_env(const char* name);
-#if DDP_BODIES
-DDP_INLINE const char* process_env(const char* name) { return std::getenv(name); }
-#endif  // DDP_BODIES
 
 class EnvReader {
  public:
@@ -2896,7 +2962,23 @@ class EnvReader {
   EnvLookup lookup_;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/env.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/env.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE const char* process_env(const char* name) { return std::getenv(name); }
+
 DDP_INLINE EnvReader::EnvReader() : lookup_(&process_env) {}
 
 DDP_INLINE EnvReader::EnvReader(EnvLookup lookup) : lookup_(std::move(lookup)) {}
@@ -2969,10 +3051,11 @@ DDP_INLINE std::optional<std::chrono::milliseconds> EnvReader::seconds(const cha
   }
   return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/env.ipp
+#endif
 // end ddp/detail/env.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -3030,7 +3113,8 @@ struct EnterOptions {
   std::chrono::milliseconds wait{0};
 };
 /// The older name of EnterOptions (Communicator::join is Communicator::enter's).
-using JoinOptions = EnterOptions;
+using JoinOptions [[deprecated("renamed EnterOptions, as Communicator::join is now enter")]] =
+    EnterOptions;
 
 /// How a communicator is made and behaves: timeouts, the rendezvous secret, transports,
 /// verification and the flight recorder (see the file comment for which backend reads what).
@@ -3077,7 +3161,7 @@ struct Options {
   /// "Diagnostics").
   bool verify_collectives = true;
   /// How many recent operations each communicator remembers (the flight recorder, see
-  /// comm/recorder.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
+  /// observe/recorder.hpp); 0 turns it off ($DDP_TRACE_ENTRIES: 0 to 10^6).
   std::size_t trace_entries = 2000;
   /// Where a communicator writes its flight recorder when an operation times out: "" nowhere,
   /// "stderr", or a directory (one file per rank) ($DDP_TRACE_DUMP).
@@ -3100,7 +3184,7 @@ struct Options {
   /// rank must give the same ($DDP_STORE).
   std::string store{};
   /// A directory where every process writes its timeline, Chrome trace-event JSON that Perfetto
-  /// and chrome://tracing open (comm/timeline.hpp; `ddp-trace DIR` merges the ranks' files and
+  /// and chrome://tracing open (observe/timeline.hpp; `ddp-trace DIR` merges the ranks' files and
   /// draws a step); "" records nothing ($DDP_TIMELINE). The first communicator a process makes
   /// with it starts the file; later ones write into it.
   std::string timeline{};
@@ -3121,7 +3205,19 @@ struct Options {
   }
 };
 
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/impl/options.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/options.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
 DDP_INLINE Options Options::with_env(const detail::EnvReader& env) const {
   std::exception_ptr error;
   Options o = with_env(env, error);
@@ -3209,9 +3305,10 @@ DDP_INLINE Options Options::with_env(const detail::EnvReader& env,
   });
   return o;
 }
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
+// end ddp/impl/options.ipp
+#endif
 // end ddp/options.hpp
 // begin ddp/store/client.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -3279,15 +3376,6 @@ class ByteWriter {
   std::string& out_;
 };
 
-#if DDP_BODIES
-DDP_INLINE ByteWriter::ByteWriter(std::string& out) : out_(out) {}
-
-DDP_INLINE void ByteWriter::str(std::string_view s) {
-  put(static_cast<std::uint32_t>(s.size()));
-  raw(s.data(), s.size());
-}
-#endif  // DDP_BODIES
-
 class ByteReader {
  public:
   ByteReader(const void* data, std::size_t n, std::string_view what);
@@ -3321,7 +3409,32 @@ class ByteReader {
   std::string_view what_;
 };
 
+/// "0, 2, 3" of ranks, and back.
+DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
+DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/bytes.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/bytes.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE ByteWriter::ByteWriter(std::string& out) : out_(out) {}
+
+DDP_INLINE void ByteWriter::str(std::string_view s) {
+  put(static_cast<std::uint32_t>(s.size()));
+  raw(s.data(), s.size());
+}
+
 DDP_INLINE ByteReader::ByteReader(const void* data, std::size_t n, std::string_view what)
     : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
 
@@ -3356,19 +3469,13 @@ DDP_INLINE void ByteReader::need(std::size_t n) const {
     fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
   }
 }
-#endif  // DDP_BODIES
 
-/// "0, 2, 3" of ranks, and back.
-DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
-#if DDP_BODIES
 DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
   return out;
 }
-#endif  // DDP_BODIES
-DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
-#if DDP_BODIES
+
 DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
   std::vector<int> out;
   int v = -1;
@@ -3383,10 +3490,11 @@ DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
   if (v >= 0) out.push_back(v);
   return out;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/bytes.ipp
+#endif
 // end ddp/detail/bytes.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -3425,17 +3533,31 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 DDP_INLINE std::atomic<std::uint64_t>& fork_counter() noexcept;
-#if DDP_BODIES
-DDP_INLINE std::atomic<std::uint64_t>& fork_counter() noexcept {
-  static std::atomic<std::uint64_t> n{0};
-  return n;
-}
-#endif  // DDP_BODIES
 
 /// How many fork()s separate this process from the first process that called this function:
 /// equal values mean "the same process". The first call registers the fork handler.
 [[nodiscard]] DDP_INLINE std::uint64_t fork_generation() noexcept;
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/fork.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/fork.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::atomic<std::uint64_t>& fork_counter() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
 DDP_INLINE std::uint64_t fork_generation() noexcept {
   static const bool registered = [] {
     (void)::pthread_atfork(nullptr, nullptr,
@@ -3445,10 +3567,11 @@ DDP_INLINE std::uint64_t fork_generation() noexcept {
   (void)registered;
   return fork_counter().load(std::memory_order_relaxed);
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/fork.ipp
+#endif
 // end ddp/detail/fork.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -3520,7 +3643,63 @@ class Sha256 {
   std::size_t used_ = 0;
 };
 
+/// HMAC-SHA-256(key, message parts...).
+template <class... Parts>
+[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
+  std::array<std::uint8_t, 64> k{};
+  if (key.size() > 64) {
+    Sha256 h;
+    h.update(key);
+    const Digest d = h.finish();
+    std::memcpy(k.data(), d.data(), d.size());
+  } else {
+    std::memcpy(k.data(), key.data(), key.size());
+  }
+  std::array<std::uint8_t, 64> ipad{}, opad{};
+  for (std::size_t i = 0; i < 64; ++i) {
+    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
+    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
+  }
+  Sha256 inner;
+  inner.update(ipad.data(), ipad.size());
+  (inner.update(parts.data(), parts.size()), ...);
+  const Digest ih = inner.finish();
+  Sha256 outer;
+  outer.update(opad.data(), opad.size());
+  outer.update(ih.data(), ih.size());
+  return outer.finish();
+}
+
+/// Compares two byte strings without an early exit, so timing reveals nothing about where they
+/// differ.
+[[nodiscard]] DDP_INLINE bool constant_time_equal(std::span<const std::uint8_t> a,
+                                                  std::span<const std::uint8_t> b);
+
+/// Fills buf with bytes from the kernel's CSPRNG.
+DDP_INLINE void random_bytes(void* buf, std::size_t n);
+
+template <class T>
+[[nodiscard]] T random_value() {
+  T v{};
+  random_bytes(&v, sizeof v);
+  return v;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/crypto.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/crypto.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE void Sha256::reset() {
   state_ = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
             0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
@@ -3605,40 +3784,7 @@ DDP_INLINE void Sha256::compress() {
   }
   for (std::size_t i = 0; i < 8; ++i) state_[i] += s[i];
 }
-#endif  // DDP_BODIES
 
-/// HMAC-SHA-256(key, message parts...).
-template <class... Parts>
-[[nodiscard]] Digest hmac_sha256(std::string_view key, const Parts&... parts) {
-  std::array<std::uint8_t, 64> k{};
-  if (key.size() > 64) {
-    Sha256 h;
-    h.update(key);
-    const Digest d = h.finish();
-    std::memcpy(k.data(), d.data(), d.size());
-  } else {
-    std::memcpy(k.data(), key.data(), key.size());
-  }
-  std::array<std::uint8_t, 64> ipad{}, opad{};
-  for (std::size_t i = 0; i < 64; ++i) {
-    ipad[i] = static_cast<std::uint8_t>(k[i] ^ 0x36u);
-    opad[i] = static_cast<std::uint8_t>(k[i] ^ 0x5cu);
-  }
-  Sha256 inner;
-  inner.update(ipad.data(), ipad.size());
-  (inner.update(parts.data(), parts.size()), ...);
-  const Digest ih = inner.finish();
-  Sha256 outer;
-  outer.update(opad.data(), opad.size());
-  outer.update(ih.data(), ih.size());
-  return outer.finish();
-}
-
-/// Compares two byte strings without an early exit, so timing reveals nothing about where they
-/// differ.
-[[nodiscard]] DDP_INLINE bool constant_time_equal(std::span<const std::uint8_t> a,
-                                                  std::span<const std::uint8_t> b);
-#if DDP_BODIES
 DDP_INLINE bool constant_time_equal(std::span<const std::uint8_t> a,
                                     std::span<const std::uint8_t> b) {
   if (a.size() != b.size()) return false;
@@ -3646,11 +3792,7 @@ DDP_INLINE bool constant_time_equal(std::span<const std::uint8_t> a,
   for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<std::uint8_t>(diff | (a[i] ^ b[i]));
   return diff == 0;
 }
-#endif  // DDP_BODIES
 
-/// Fills buf with bytes from the kernel's CSPRNG.
-DDP_INLINE void random_bytes(void* buf, std::size_t n);
-#if DDP_BODIES
 DDP_INLINE void random_bytes(void* buf, std::size_t n) {
   auto* p = static_cast<std::uint8_t*>(buf);
   while (n > 0) {
@@ -3663,17 +3805,11 @@ DDP_INLINE void random_bytes(void* buf, std::size_t n) {
     n -= static_cast<std::size_t>(r);
   }
 }
-#endif  // DDP_BODIES
-
-template <class T>
-[[nodiscard]] T random_value() {
-  T v{};
-  random_bytes(&v, sizeof v);
-  return v;
-}
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/crypto.ipp
+#endif
 // end ddp/detail/crypto.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/detail/socket.hpp" (already included above)
@@ -3799,32 +3935,10 @@ inline std::size_t frame_limit(const StoreOptions& o) {
 
 /// Sends one length-prefixed frame.
 DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d);
-#if DDP_BODIES
-DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d) {
-  std::string buf;
-  ByteWriter w(buf);
-  w.put(static_cast<std::uint32_t>(payload.size()));
-  buf.append(payload);
-  return send_all(fd, buf.data(), buf.size(), d);
-}
-#endif  // DDP_BODIES
 
 /// Receives one frame of at most `limit` bytes.
 DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
                                std::string_view what);
-#if DDP_BODIES
-DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
-                               std::string_view what) {
-  std::uint8_t len_bytes[4];
-  if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
-  ByteReader lr(len_bytes, 4, what);
-  const auto len = lr.get<std::uint32_t>();
-  if (len > limit)
-    detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
-  out.resize(len);
-  return recv_all(fd, out.data(), len, d);
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail::store_proto
 
@@ -3836,7 +3950,46 @@ DDP_INLINE std::string encode_stop(const Error& e);
 /// The ddp::Error a stop value holds; nothing when the value is not one.
 DDP_INLINE std::optional<Error> decode_stop(std::string_view value);
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/protocol.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/protocol.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail::store_proto {
+
+DDP_INLINE IoResult send_frame(int fd, std::string_view payload, Deadline d) {
+  std::string buf;
+  ByteWriter w(buf);
+  w.put(static_cast<std::uint32_t>(payload.size()));
+  buf.append(payload);
+  return send_all(fd, buf.data(), buf.size(), d);
+}
+
+DDP_INLINE IoResult recv_frame(int fd, std::string& out, std::size_t limit, Deadline d,
+                               std::string_view what) {
+  std::uint8_t len_bytes[4];
+  if (auto r = recv_all(fd, len_bytes, 4, d); r != IoResult::ok) return r;
+  ByteReader lr(len_bytes, 4, what);
+  const auto len = lr.get<std::uint32_t>();
+  if (len > limit)
+    detail::fail(Errc::protocol, what, ": frame of ", len, " bytes exceeds the limit of ", limit);
+  out.resize(len);
+  return recv_all(fd, out.data(), len, d);
+}
+}  // namespace detail::store_proto
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE std::string encode_stop(const Error& e) {
   std::string v;
   ByteWriter w(v);
@@ -3871,10 +4024,11 @@ DDP_INLINE std::optional<Error> decode_stop(std::string_view value) {
     return std::nullopt;
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/protocol.ipp
+#endif
 // end ddp/store/protocol.hpp
 
 #include <chrono>
@@ -3907,28 +4061,10 @@ struct StoreCall {
 /// message, origin and lost ranks; otherwise Errc::aborted quoting it.
 [[noreturn]] DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop,
                                           const std::string& value);
-#if DDP_BODIES
-DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop, const std::string& value) {
-  if (auto e = decode_stop(value)) DDP_THROW(std::move(*e));
-  fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
-       "\": ", value);
-}
-#endif  // DDP_BODIES
 
 /// A wait's timeout, naming the keys still missing (at most 16).
 [[noreturn]] DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
                                           const std::vector<std::string>& missing);
-#if DDP_BODIES
-DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
-                             const std::vector<std::string>& missing) {
-  std::string names;
-  for (std::size_t i = 0; i < missing.size() && i < 16; ++i)
-    names += concat(i ? ", \"" : "\"", missing[i], "\"");
-  if (missing.size() > 16) names += concat(" and ", missing.size() - 16, " more");
-  fail(Errc::timeout, "store ", c.what, ": timed out after ", timeout.count(), " ms waiting for ",
-       names);
-}
-#endif  // DDP_BODIES
 
 /// One connection to a store (see the file comment). Thread-safe.
 class StoreConnection {
@@ -4018,7 +4154,37 @@ class StoreConnection {
   std::uint64_t next_tick_ = 0;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/connection.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/connection.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void fail_stopped(const StoreCall& c, std::string_view stop, const std::string& value) {
+  if (auto e = decode_stop(value)) DDP_THROW(std::move(*e));
+  fail(Errc::aborted, "store ", c.what, "(\"", c.prefix, c.key, "\"): stopped by \"", stop,
+       "\": ", value);
+}
+
+DDP_INLINE void fail_missing(const StoreCall& c, std::chrono::milliseconds timeout,
+                             const std::vector<std::string>& missing) {
+  std::string names;
+  for (std::size_t i = 0; i < missing.size() && i < 16; ++i)
+    names += concat(i ? ", \"" : "\"", missing[i], "\"");
+  if (missing.size() > 16) names += concat(" and ", missing.size() - 16, " more");
+  fail(Errc::timeout, "store ", c.what, ": timed out after ", timeout.count(), " ms waiting for ",
+       names);
+}
+
 DDP_INLINE StoreConnection::StoreConnection(StoreOptions o) : options(std::move(o)) {}
 
 DDP_INLINE void StoreConnection::start_heartbeat(std::chrono::milliseconds ttl) {
@@ -4090,10 +4256,11 @@ DDP_INLINE void StoreConnection::beating(const std::shared_ptr<Beat>& b,
     }
   }  // `me` dropped last: should it hold the last reference, the destructor detaches this thread
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/connection.ipp
+#endif
 // end ddp/store/connection.hpp
 // #include "ddp/store/protocol.hpp" (already included above)
 // begin ddp/store/tcp_client.hpp
@@ -4207,7 +4374,21 @@ class TcpStoreConnection final : public StoreConnection {
   std::string dead_;  // why the store is known gone: no call waits on it again
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/tcp_client.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/tcp_client.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE TcpStoreConnection::TcpStoreConnection(std::string host, int port, StoreOptions o)
     : StoreConnection(std::move(o)), host_(std::move(host)), port_(port) {
   std::lock_guard lock(mutex_);
@@ -4531,10 +4712,11 @@ DDP_INLINE std::string TcpStoreConnection::call(const StoreCall& c, std::string&
          "\") failed: ", br.view(br.left()));
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/tcp_client.ipp
+#endif
 // end ddp/store/tcp_client.hpp
 
 #include <algorithm>
@@ -4696,7 +4878,24 @@ class Store {
   detail::Clock::time_point deadline_ = detail::Clock::time_point::max();  // with_deadline()
 };
 
+namespace detail {
+/// The value at `key` in `s`, "" when absent, without waiting.
+DDP_INLINE std::string peek_key(Store& s, const std::string& key);
+}  // namespace detail
+
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/client.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/client.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
 DDP_INLINE Store::Store(std::string host, int port, StoreOptions options)
     : Store(std::make_shared<detail::TcpStoreConnection>(std::move(host), port,
                                                          std::move(options))) {}
@@ -4806,20 +5005,20 @@ DDP_INLINE std::chrono::milliseconds Store::capped(std::chrono::milliseconds tim
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - detail::Clock::now());
   return std::clamp(left, std::chrono::milliseconds(0), timeout);
 }
-#endif  // DDP_BODIES
+DDP_END_NAMESPACE
 
+DDP_BEGIN_NAMESPACE
 namespace detail {
-/// The value at `key` in `s`, "" when absent, without waiting.
-DDP_INLINE std::string peek_key(Store& s, const std::string& key);
-#if DDP_BODIES
+
 DDP_INLINE std::string peek_key(Store& s, const std::string& key) {
   const std::string k[] = {key};
   return s.check(k) ? s.get(key) : std::string();
 }
-#endif  // DDP_BODIES
-}  // namespace detail
 
+}  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/client.ipp
+#endif
 // end ddp/store/client.hpp
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
@@ -4862,21 +5061,6 @@ struct BackendInit {
 /// containers they run in ("" where the kernel does not say). Out of file descriptors it fails
 /// (Errc::system, naming the limit) rather than return "", which would pass for another machine.
 [[nodiscard]] DDP_INLINE std::string machine_identity();
-#if DDP_BODIES
-DDP_INLINE std::string machine_identity() {
-  char boot[64] = {};
-  std::size_t len = 0;
-  if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
-    const ssize_t n = ::read(fd, boot, sizeof boot - 1);
-    ::close(fd);
-    len = n > 0 ? static_cast<std::size_t>(n) : 0;
-  } else {
-    fail_if_out_of_fds(errno, "cannot read this machine's boot id");
-  }
-  while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
-  return std::string(boot, len);
-}
-#endif  // DDP_BODIES
 
 /// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
 /// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
@@ -4884,29 +5068,6 @@ DDP_INLINE std::string machine_identity() {
 /// with the same value count as one host (they must share /dev/shm and pids), ranks with
 /// different values as different hosts, whatever machine they run on.
 [[nodiscard]] DDP_INLINE std::string host_identity();
-#if DDP_BODIES
-DDP_INLINE std::string host_identity() {
-  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
-    const std::size_t n = std::strlen(forced);
-    if (n > 1024)
-      fail(Errc::invalid_argument, "DDP_HOST_ID is ", n,
-           " characters long; at most 1024 (any string, the same on the ranks of one host)");
-    return std::string("DDP_HOST_ID=") + forced;
-  }
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  std::string id = name;
-  id += "|";
-  id += machine_identity();
-  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
-    char link[128] = {};
-    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
-    id += '|';
-    id.append(link, n > 0 ? static_cast<std::size_t>(n) : 0);
-  }
-  return id;
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -5022,6 +5183,59 @@ inline constexpr bool host_type_for_device_backend =
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/backend/impl/backend.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/backend.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string machine_identity() {
+  char boot[64] = {};
+  std::size_t len = 0;
+  if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
+    const ssize_t n = ::read(fd, boot, sizeof boot - 1);
+    ::close(fd);
+    len = n > 0 ? static_cast<std::size_t>(n) : 0;
+  } else {
+    fail_if_out_of_fds(errno, "cannot read this machine's boot id");
+  }
+  while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
+  return std::string(boot, len);
+}
+
+DDP_INLINE std::string host_identity() {
+  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
+    const std::size_t n = std::strlen(forced);
+    if (n > 1024)
+      fail(Errc::invalid_argument, "DDP_HOST_ID is ", n,
+           " characters long; at most 1024 (any string, the same on the ranks of one host)");
+    return std::string("DDP_HOST_ID=") + forced;
+  }
+  char name[256] = {};
+  (void)::gethostname(name, sizeof name - 1);
+  std::string id = name;
+  id += "|";
+  id += machine_identity();
+  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
+    char link[128] = {};
+    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
+    id += '|';
+    id.append(link, n > 0 ? static_cast<std::size_t>(n) : 0);
+  }
+  return id;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/impl/backend.ipp
+#endif
 // end ddp/backend/backend.hpp
 // begin ddp/comm/arguments.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -5116,7 +5330,129 @@ static_assert(std::is_trivially_copyable_v<Call>);
 /// its memory (directly or staged).
 DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
                           int rank, const char* what, const char* arg);
+
+/// `op` on dtype `t`, else Errc::invalid_argument. `who` and `rank` open the message ("rank 3",
+/// or "NcclClique" with rank -1); `what` names the call. (Communicators and NcclClique alike.)
+DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what);
+/// premul_sum's factor: given (ddp::premul_sum(f), not a bare ReduceOp::premul_sum), finite, and
+/// within float's range where the multiplication is in float (every dtype but float64).
+DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what);
+inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
+  check_op(op, t, "rank ", c.rank, what);
+  if (c.refuses_op != nullptr) {
+    if (const char* why = c.refuses_op(op, t)) [[unlikely]]
+      fail(Errc::invalid_argument, "rank ", c.rank, ": backend::", c.backend, ": ", what, "(",
+           to_string(t), ", op ", to_string(op), "): ", why);
+  }
+}
+
+/// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
+/// and what a root is one of (`of`: "a rank of this communicator").
+DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
+                           const char* of);
+inline void check_root(int root, Caller c, const char* what) {
+  check_root(root, c.size, "rank ", c.rank, what, "a rank of this communicator");
+}
+
+DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what);
+
+/// The checks of a DynamicView that a TensorView passes at compile time (the device, a null
+/// pointer and the size follow in check_buf, as for a TensorView).
+DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
+                              int rank);
+
+/// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
+DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
+                             const char* whole_name, const char* rule);
+
+/// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
+/// `whole`.
+DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
+                               const char* message);
+
+/// The name of a single-buffer collective (all_reduce, broadcast, reduce).
+constexpr const char* single_name(Coll coll) {
+  return coll == Coll::all_reduce ? "all_reduce" : coll == Coll::broadcast ? "broadcast" : "reduce";
+}
+
+/// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
+/// collective's name. Their synchronous form runs without building a Call.
+DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
+                                    Caller c);
+
+[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root,
+                                             Caller c);
+
+/// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
+/// host pass in which to convert it.
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire,
+                                                    bool moved_on_device, std::string_view backend,
+                                                    Caller c);
+
+/// `bufs` must outlive the call.
+[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op,
+                                                           Caller c);
+
+/// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
+[[nodiscard]] DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c);
+
+/// scatter; `in` is used (and checked) on the root only.
+[[nodiscard]] DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c);
+
+[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op,
+                                                     Caller c);
+
+[[nodiscard]] DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c);
+
+[[nodiscard]] DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c);
+
+/// batch_isend_irecv: bufs[i] is op i's buffer; `specs` (3 per op: 1 for a send, the peer,
+/// the tag) must outlive the call. Each op is checked as send or recv is.
+[[nodiscard]] DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs,
+                                                std::span<const std::size_t> specs, Caller c);
+
+[[nodiscard]] inline Call prepare_barrier() {
+  return Call{.name = "barrier", .coll = Coll::barrier};
+}
+
+/// An uneven collective's counts: one per rank.
+DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
+                              const char* counts_name);
+
+/// The counts of an uneven collective: one per rank, and `buf` holding their sum.
+DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
+                             const char* what, const char* counts_name, const char* buf_name);
+
+/// all_to_all with split sizes; `counts` holds in_counts then out_counts (size() each).
+[[nodiscard]] DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
+                                                   std::span<const std::size_t> counts, Caller c);
+
+/// all_gather (root < 0) or gather with a count per rank; `out` and `counts` are used (and
+/// checked) only where they receive.
+[[nodiscard]] DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out,
+                                               std::span<const std::size_t> counts, int root,
+                                               Caller c);
+
+/// scatter with a count per rank; `in` and `counts` are used (and checked) on the root only.
+[[nodiscard]] DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
+                                                std::span<const std::size_t> counts, int root,
+                                                Caller c);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/comm/impl/call.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/call.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::string_view backend,
                           int rank, const char* what, const char* arg) {
   if (!usable) {
@@ -5134,12 +5470,7 @@ DDP_INLINE void check_buf(const Buf& b, std::size_t elem, bool usable, std::stri
          "the tensor's view reports");
   }
 }
-#endif  // DDP_BODIES
 
-/// `op` on dtype `t`, else Errc::invalid_argument. `who` and `rank` open the message ("rank 3",
-/// or "NcclClique" with rank -1); `what` names the call. (Communicators and NcclClique alike.)
-DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what);
-#if DDP_BODIES
 DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const char* what) {
   if (!is_supported(op, t)) {
     const bool bitwise = op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor;
@@ -5154,11 +5485,7 @@ DDP_INLINE void check_op(ReduceOp op, DType t, const char* who, int rank, const 
                                       : "");
   }
 }
-#endif  // DDP_BODIES
-/// premul_sum's factor: given (ddp::premul_sum(f), not a bare ReduceOp::premul_sum), finite, and
-/// within float's range where the multiplication is in float (every dtype but float64).
-DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what);
-#if DDP_BODIES
+
 DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* what) {
   if (r.op != ReduceOp::premul_sum) return;
   if (r.factor != r.factor)
@@ -5171,21 +5498,7 @@ DDP_INLINE void check_factor(const Reduction& r, DType t, int rank, const char* 
          " is not a finite ", t == DType::float64 ? "double" : "float",
          " (the inputs are multiplied in that precision); give a finite factor");
 }
-#endif  // DDP_BODIES
-inline void check_op(ReduceOp op, DType t, Caller c, const char* what) {
-  check_op(op, t, "rank ", c.rank, what);
-  if (c.refuses_op != nullptr) {
-    if (const char* why = c.refuses_op(op, t)) [[unlikely]]
-      fail(Errc::invalid_argument, "rank ", c.rank, ": backend::", c.backend, ": ", what, "(",
-           to_string(t), ", op ", to_string(op), "): ", why);
-  }
-}
 
-/// `root` in [0, size), else Errc::invalid_argument naming `who`/`rank` (as check_op), `what`
-/// and what a root is one of (`of`: "a rank of this communicator").
-DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
-                           const char* of);
-#if DDP_BODIES
 DDP_INLINE void check_root(int root, int size, const char* who, int rank, const char* what,
                            const char* of) {
   if (root < 0 || root >= size) {
@@ -5193,26 +5506,14 @@ DDP_INLINE void check_root(int root, int size, const char* who, int rank, const 
          ": root ", root, " is not ", of, " [0, ", size, ")");
   }
 }
-#endif  // DDP_BODIES
-inline void check_root(int root, Caller c, const char* what) {
-  check_root(root, c.size, "rank ", c.rank, what, "a rank of this communicator");
-}
 
-DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what);
-#if DDP_BODIES
 DDP_INLINE void check_same_dtype(const Buf& a, const Buf& b, Caller c, const char* what) {
   if (a.dtype != b.dtype) {
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, ": `in` is ", to_string(a.dtype),
          " but `out` is ", to_string(b.dtype), "; they must have the same element type");
   }
 }
-#endif  // DDP_BODIES
 
-/// The checks of a DynamicView that a TensorView passes at compile time (the device, a null
-/// pointer and the size follow in check_buf, as for a TensorView).
-DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
-                              int rank);
-#if DDP_BODIES
 DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* what, const char* arg,
                               int rank) {
   if (v.problem != nullptr)
@@ -5229,12 +5530,7 @@ DDP_INLINE void check_dynamic(const DynamicView& v, bool writes, const char* wha
     fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": `", arg,
          "` is read-only, but this collective writes it");
 }
-#endif  // DDP_BODIES
 
-/// `whole` must be `part` x size() elements; `part_name` is the argument that sets the size.
-DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
-                             const char* whole_name, const char* rule);
-#if DDP_BODIES
 DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const char* what,
                              const char* whole_name, const char* rule) {
   const auto p = static_cast<std::size_t>(c.size);
@@ -5243,13 +5539,7 @@ DDP_INLINE void check_blocks(const Buf& whole, const Buf& part, Caller c, const 
          whole.count, " elements but must have ", product_text(part.count, p), " (", rule, ")");
   }
 }
-#endif  // DDP_BODIES
 
-/// The only in-place form of a collective with blocks: `part` is exactly this rank's block of
-/// `whole`.
-DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
-                               const char* message);
-#if DDP_BODIES
 DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, const char* what,
                                const char* message) {
   const std::byte* mine = whole.at(part.count * static_cast<std::size_t>(c.rank));
@@ -5257,18 +5547,7 @@ DDP_INLINE void check_in_place(const Buf& whole, const Buf& part, Caller c, cons
     fail(Errc::invalid_argument, "rank ", c.rank, ": ", what, message);
   }
 }
-#endif  // DDP_BODIES
 
-/// The name of a single-buffer collective (all_reduce, broadcast, reduce).
-constexpr const char* single_name(Coll coll) {
-  return coll == Coll::all_reduce ? "all_reduce" : coll == Coll::broadcast ? "broadcast" : "reduce";
-}
-
-/// The checks of the single-buffer collectives (all_reduce, broadcast, reduce); returns the
-/// collective's name. Their synchronous form runs without building a Call.
-DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
-                                    Caller c);
-#if DDP_BODIES
 DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op, int root,
                                     Caller c) {
   const char* name = single_name(coll);
@@ -5279,11 +5558,7 @@ DDP_INLINE const char* check_single(Coll coll, const Buf& b, const Reduction& op
   }
   return name;
 }
-#endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root,
-                                             Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, Caller c) {
   const char* name = check_single(coll, b, op, root, c);
   return Call{.name = name,
@@ -5294,14 +5569,7 @@ DDP_INLINE Call prepare_single(Coll coll, const Buf& b, Reduction op, int root, 
               .root = root,
               .bytes = b.bytes()};
 }
-#endif  // DDP_BODIES
 
-/// `moved_on_device`: the backend moves this CUDA buffer itself (no staging), so there is no
-/// host pass in which to convert it.
-[[nodiscard]] DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire,
-                                                    bool moved_on_device, std::string_view backend,
-                                                    Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire, bool moved_on_device,
                                       std::string_view backend, Caller c) {
   check_op(op.op, wire, c, "all_reduce_as");
@@ -5323,12 +5591,7 @@ DDP_INLINE Call prepare_all_reduce_as(const Buf& b, Reduction op, DType wire, bo
               .wire = wire,
               .bytes = b.bytes()};
 }
-#endif  // DDP_BODIES
 
-/// `bufs` must outlive the call.
-[[nodiscard]] DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op,
-                                                           Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reduction op, Caller c) {
   std::size_t bytes = 0;
   for (const Buf& b : bufs) {
@@ -5344,11 +5607,7 @@ DDP_INLINE Call prepare_all_reduce_coalesced(std::span<const Buf> bufs, Reductio
               .factor = op.factor,
               .bytes = bytes};
 }
-#endif  // DDP_BODIES
 
-/// all_gather (root < 0) or gather; `out` is used (and checked) only where it receives.
-[[nodiscard]] DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
   if (root >= 0) check_root(root, c, what);
@@ -5366,11 +5625,7 @@ DDP_INLINE Call prepare_gather(const Buf& in, const Buf& out, int root, Caller c
   call.bytes = call.in.bytes() + call.out.bytes();
   return call;
 }
-#endif  // DDP_BODIES
 
-/// scatter; `in` is used (and checked) on the root only.
-[[nodiscard]] DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller c) {
   check_root(root, c, "scatter");
   Call call{.name = "scatter", .coll = Coll::scatter};
@@ -5388,11 +5643,7 @@ DDP_INLINE Call prepare_scatter(const Buf& in, const Buf& out, int root, Caller 
   call.bytes = call.in.bytes() + call.out.bytes();
   return call;
 }
-#endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op,
-                                                     Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction op, Caller c) {
   check_same_dtype(in, out, c, "reduce_scatter");
   check_op(op.op, out.dtype, c, "reduce_scatter");
@@ -5409,10 +5660,7 @@ DDP_INLINE Call prepare_reduce_scatter(const Buf& in, const Buf& out, Reduction 
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
-#endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
   check_same_dtype(in, out, c, "all_to_all");
   const auto p = static_cast<std::size_t>(c.size);
@@ -5429,10 +5677,7 @@ DDP_INLINE Call prepare_all_to_all(const Buf& in, const Buf& out, Caller c) {
   call.bytes = in.bytes() + out.bytes();
   return call;
 }
-#endif  // DDP_BODIES
 
-[[nodiscard]] DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c) {
   const char* what = coll == Coll::send ? "send" : "recv";
   if (peer < 0 || peer >= c.size || peer == c.rank) {
@@ -5448,13 +5693,7 @@ DDP_INLINE Call prepare_p2p(Coll coll, const Buf& b, int peer, int tag, Caller c
   call.bytes = b.bytes();
   return call;
 }
-#endif  // DDP_BODIES
 
-/// batch_isend_irecv: bufs[i] is op i's buffer; `specs` (3 per op: 1 for a send, the peer,
-/// the tag) must outlive the call. Each op is checked as send or recv is.
-[[nodiscard]] DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs,
-                                                std::span<const std::size_t> specs, Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs, std::span<const std::size_t> specs,
                                   Caller c) {
   std::size_t bytes = 0;
@@ -5481,16 +5720,7 @@ DDP_INLINE Call prepare_batch_p2p(std::span<const Buf> bufs, std::span<const std
               .counts = specs,
               .bytes = bytes};
 }
-#endif  // DDP_BODIES
 
-[[nodiscard]] inline Call prepare_barrier() {
-  return Call{.name = "barrier", .coll = Coll::barrier};
-}
-
-/// An uneven collective's counts: one per rank.
-DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
-                              const char* counts_name);
-#if DDP_BODIES
 DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, const char* what,
                               const char* counts_name) {
   if (counts.size() != static_cast<std::size_t>(c.size)) {
@@ -5505,12 +5735,7 @@ DDP_INLINE void check_entries(std::span<const std::size_t> counts, Caller c, con
     }
   }
 }
-#endif  // DDP_BODIES
 
-/// The counts of an uneven collective: one per rank, and `buf` holding their sum.
-DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
-                             const char* what, const char* counts_name, const char* buf_name);
-#if DDP_BODIES
 DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf, Caller c,
                              const char* what, const char* counts_name, const char* buf_name) {
   check_entries(counts, c, what, counts_name);
@@ -5527,12 +5752,7 @@ DDP_INLINE void check_counts(std::span<const std::size_t> counts, const Buf& buf
          "; they must be equal");
   }
 }
-#endif  // DDP_BODIES
 
-/// all_to_all with split sizes; `counts` holds in_counts then out_counts (size() each).
-[[nodiscard]] DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
-                                                   std::span<const std::size_t> counts, Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
                                      std::span<const std::size_t> counts, Caller c) {
   check_same_dtype(in, out, c, "all_to_all");
@@ -5549,14 +5769,7 @@ DDP_INLINE Call prepare_all_to_all_v(const Buf& in, const Buf& out,
               .counts = counts,
               .bytes = in.bytes() + out.bytes()};
 }
-#endif  // DDP_BODIES
 
-/// all_gather (root < 0) or gather with a count per rank; `out` and `counts` are used (and
-/// checked) only where they receive.
-[[nodiscard]] DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out,
-                                               std::span<const std::size_t> counts, int root,
-                                               Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out, std::span<const std::size_t> counts,
                                  int root, Caller c) {
   const char* what = root < 0 ? "all_gather" : "gather";
@@ -5580,13 +5793,7 @@ DDP_INLINE Call prepare_gather_v(const Buf& in, const Buf& out, std::span<const 
               .root = root,
               .bytes = in.bytes() + out.bytes()};
 }
-#endif  // DDP_BODIES
 
-/// scatter with a count per rank; `in` and `counts` are used (and checked) on the root only.
-[[nodiscard]] DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
-                                                std::span<const std::size_t> counts, int root,
-                                                Caller c);
-#if DDP_BODIES
 DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
                                   std::span<const std::size_t> counts, int root, Caller c) {
   check_root(root, c, "scatter");
@@ -5608,10 +5815,11 @@ DDP_INLINE Call prepare_scatter_v(const Buf& in, const Buf& out,
               .root = root,
               .bytes = in.bytes() + out.bytes()};
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/comm/impl/call.ipp
+#endif
 // end ddp/comm/call.hpp
 // begin ddp/comm/dispatch.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -5809,27 +6017,6 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
 
 /// The kernel for (dtype, op), or nullptr when the pair is not supported.
 [[nodiscard]] DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op);
-#if DDP_BODIES
-DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
-  switch (t) {
-    case DType::int8: return reduce_fn_for<std::int8_t>(op);
-    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
-    case DType::int16: return reduce_fn_for<std::int16_t>(op);
-    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
-    case DType::int32: return reduce_fn_for<std::int32_t>(op);
-    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
-    case DType::int64: return reduce_fn_for<std::int64_t>(op);
-    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
-    case DType::float16: return reduce_fn_for<half>(op);
-    case DType::float32: return reduce_fn_for<float>(op);
-    case DType::float64: return reduce_fn_for<double>(op);
-    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
-    case DType::boolean:
-      return is_supported(op, t) ? reduce_fn_for<std::uint8_t>(bool_as_byte(op)) : nullptr;
-  }
-  return nullptr;
-}
-#endif  // DDP_BODIES
 
 /// premul_sum's first step: data[i] *= factor in place, in the accumulator's precision (float
 /// for half and bfloat16), rounded once to the element type.
@@ -5845,17 +6032,6 @@ void scale_kernel(std::byte* data, std::size_t count, double factor) {
 
 /// The scale kernel for a floating-point dtype, else nullptr.
 [[nodiscard]] DDP_INLINE ScaleFn scale_fn(DType t);
-#if DDP_BODIES
-DDP_INLINE ScaleFn scale_fn(DType t) {
-  switch (t) {
-    case DType::float16: return &scale_kernel<half>;
-    case DType::float32: return &scale_kernel<float>;
-    case DType::float64: return &scale_kernel<double>;
-    case DType::bfloat16: return &scale_kernel<bfloat16>;
-    default: return nullptr;
-  }
-}
-#endif  // DDP_BODIES
 
 /// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
 /// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
@@ -5871,17 +6047,6 @@ void divide_kernel(std::byte* data, std::size_t count, int n) {
 
 /// The divide kernel for a dtype that avg supports (floating point), else nullptr.
 [[nodiscard]] DDP_INLINE DivideFn divide_fn(DType t);
-#if DDP_BODIES
-DDP_INLINE DivideFn divide_fn(DType t) {
-  switch (t) {
-    case DType::float16: return &divide_kernel<half>;
-    case DType::float32: return &divide_kernel<float>;
-    case DType::float64: return &divide_kernel<double>;
-    case DType::bfloat16: return &divide_kernel<bfloat16>;
-    default: return nullptr;
-  }
-}
-#endif  // DDP_BODIES
 
 // ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
 
@@ -5945,7 +6110,62 @@ WireKernels wire_kernels_for(ReduceOp op) {
 
 /// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
 [[nodiscard]] DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/impl/reduce.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/reduce.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
+  switch (t) {
+    case DType::int8: return reduce_fn_for<std::int8_t>(op);
+    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
+    case DType::int16: return reduce_fn_for<std::int16_t>(op);
+    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
+    case DType::int32: return reduce_fn_for<std::int32_t>(op);
+    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
+    case DType::int64: return reduce_fn_for<std::int64_t>(op);
+    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
+    case DType::float16: return reduce_fn_for<half>(op);
+    case DType::float32: return reduce_fn_for<float>(op);
+    case DType::float64: return reduce_fn_for<double>(op);
+    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
+    case DType::boolean:
+      return is_supported(op, t) ? reduce_fn_for<std::uint8_t>(bool_as_byte(op)) : nullptr;
+  }
+  return nullptr;
+}
+
+DDP_INLINE ScaleFn scale_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &scale_kernel<half>;
+    case DType::float32: return &scale_kernel<float>;
+    case DType::float64: return &scale_kernel<double>;
+    case DType::bfloat16: return &scale_kernel<bfloat16>;
+    default: return nullptr;
+  }
+}
+
+DDP_INLINE DivideFn divide_fn(DType t) {
+  switch (t) {
+    case DType::float16: return &divide_kernel<half>;
+    case DType::float32: return &divide_kernel<float>;
+    case DType::float64: return &divide_kernel<double>;
+    case DType::bfloat16: return &divide_kernel<bfloat16>;
+    default: return nullptr;
+  }
+}
+
 DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
   switch (wire) {
     case DType::float16: return wire_kernels_for<half>(op);
@@ -5953,10 +6173,11 @@ DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
     default: return {};
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/impl/reduce.ipp
+#endif
 // end ddp/backend/reduce.hpp
 // #include "ddp/comm/call.hpp" (already included above)
 // begin ddp/comm/state.hpp
@@ -6015,7 +6236,22 @@ DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vect
 /// at once with Errc::peer_lost.
 DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
                                   std::chrono::milliseconds timeout, bool wait_all_ranks);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/impl/monitored_barrier.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/monitored_barrier.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
                                 std::chrono::milliseconds timeout, bool wait_all_ranks) {
   const std::size_t named = wait_all_ranks ? missing.size() : 1;
@@ -6100,10 +6336,11 @@ DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int s
                     e->origin_message(), e->lost_ranks()));
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/impl/monitored_barrier.ipp
+#endif
 // end ddp/backend/monitored_barrier.hpp
 // begin ddp/comm/error_file.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -6152,7 +6389,49 @@ namespace detail {
 
 /// `bytes` in standard base64 (with padding).
 [[nodiscard]] DDP_INLINE std::string base64_encode(std::string_view bytes);
+
+/// The bytes of base64 `text` (padding optional); Errc::protocol when it is not base64.
+[[nodiscard]] DDP_INLINE std::string base64_decode(std::string_view text);
+
+/// A JSON value. Numbers are kept as their text (etcd writes 64-bit integers as strings and as
+/// numbers).
+struct Json {
+  enum class Type { null, boolean, number, string, array, object };
+  Type type = Type::null;
+  bool boolean = false;
+  std::string text;                ///< a string's value, or a number's text
+  std::vector<Json> items;         ///< an array's items, an object's members' values
+  std::vector<std::string> names;  ///< an object's members' names (items[i] is names[i]'s)
+
+  /// The member `key` of an object, or nullptr.
+  [[nodiscard]] const Json* find(std::string_view key) const;
+  /// The string or number member `key` ("" when absent).
+  [[nodiscard]] std::string get(std::string_view key) const;
+  /// The integer (a number or a string of digits) member `key`; `otherwise` when absent.
+  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const;
+};
+
+/// Parses one JSON document (at most `max_depth` deep); Errc::protocol when malformed.
+[[nodiscard]] DDP_INLINE Json parse_json(std::string_view s, int max_depth = 64);
+
+/// `text` as a JSON string literal.
+[[nodiscard]] DDP_INLINE std::string json_quoted(std::string_view text);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/json.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/json.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE std::string base64_encode(std::string_view bytes) {
   static constexpr char table[] =
       "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -6168,11 +6447,7 @@ DDP_INLINE std::string base64_encode(std::string_view bytes) {
   }
   return out;
 }
-#endif  // DDP_BODIES
 
-/// The bytes of base64 `text` (padding optional); Errc::protocol when it is not base64.
-[[nodiscard]] DDP_INLINE std::string base64_decode(std::string_view text);
-#if DDP_BODIES
 DDP_INLINE std::string base64_decode(std::string_view text) {
   const auto value = [&](char c) -> std::uint32_t {
     if (c >= 'A' && c <= 'Z') return static_cast<std::uint32_t>(c - 'A');
@@ -6198,27 +6473,7 @@ DDP_INLINE std::string base64_decode(std::string_view text) {
   }
   return out;
 }
-#endif  // DDP_BODIES
 
-/// A JSON value. Numbers are kept as their text (etcd writes 64-bit integers as strings and as
-/// numbers).
-struct Json {
-  enum class Type { null, boolean, number, string, array, object };
-  Type type = Type::null;
-  bool boolean = false;
-  std::string text;                ///< a string's value, or a number's text
-  std::vector<Json> items;         ///< an array's items, an object's members' values
-  std::vector<std::string> names;  ///< an object's members' names (items[i] is names[i]'s)
-
-  /// The member `key` of an object, or nullptr.
-  [[nodiscard]] const Json* find(std::string_view key) const;
-  /// The string or number member `key` ("" when absent).
-  [[nodiscard]] std::string get(std::string_view key) const;
-  /// The integer (a number or a string of digits) member `key`; `otherwise` when absent.
-  [[nodiscard]] std::int64_t integer(std::string_view key, std::int64_t otherwise = 0) const;
-};
-
-#if DDP_BODIES
 DDP_INLINE const Json* Json::find(std::string_view key) const {
   if (type != Type::object) return nullptr;
   for (std::size_t i = 0; i < names.size(); ++i)
@@ -6248,11 +6503,7 @@ DDP_INLINE std::int64_t Json::integer(std::string_view key, std::int64_t otherwi
   }
   return negative ? -v : v;
 }
-#endif  // DDP_BODIES
 
-/// Parses one JSON document (at most `max_depth` deep); Errc::protocol when malformed.
-[[nodiscard]] DDP_INLINE Json parse_json(std::string_view s, int max_depth = 64);
-#if DDP_BODIES
 DDP_INLINE Json parse_json(std::string_view s, int max_depth) {
   std::size_t at = 0;
   const auto bad = [&](std::string_view why) -> void {
@@ -6380,11 +6631,7 @@ DDP_INLINE Json parse_json(std::string_view s, int max_depth) {
   if (at != s.size()) bad("trailing bytes");
   return out;
 }
-#endif  // DDP_BODIES
 
-/// `text` as a JSON string literal.
-[[nodiscard]] DDP_INLINE std::string json_quoted(std::string_view text);
-#if DDP_BODIES
 DDP_INLINE std::string json_quoted(std::string_view text) {
   std::string out = "\"";
   for (const char c : text) {
@@ -6406,10 +6653,11 @@ DDP_INLINE std::string json_quoted(std::string_view text) {
   }
   return out + "\"";
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/json.ipp
+#endif
 // end ddp/detail/json.hpp
 // #include "ddp/error.hpp" (already included above)
 
@@ -6434,62 +6682,14 @@ namespace detail {
 
 /// The name of the type `t`, demangled where the ABI allows ("std::runtime_error").
 [[nodiscard]] DDP_INLINE std::string type_name(const std::type_info& t);
-#if DDP_BODIES
-DDP_INLINE std::string type_name(const std::type_info& t) {
-#if __has_include(<cxxabi.h>)
-  int status = 0;
-  if (char* name = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status)) {
-    std::string out = name;
-    std::free(name);
-    return out;
-  }
-#endif
-  return t.name();
-}
-#endif  // DDP_BODIES
 
 /// What the exception `e` says, as the first line a launcher shows: "ddp::Error (<code>):
 /// <what>", "<type>: <what>" for another std::exception.
 [[nodiscard]] DDP_INLINE std::string exception_text(const std::exception_ptr& e);
-#if DDP_BODIES
-DDP_INLINE std::string exception_text(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& x) {
-    return concat("ddp::Error (", to_string(x.code()), "): ", x.what());
-  } catch (const std::exception& x) {
-    return concat(type_name(typeid(x)), ": ", x.what());
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-#endif  // DDP_BODIES
 
 /// Writes `message` to the error file `path` in torchrun's format; nothing when `path` is
 /// empty. Never throws (it runs inside std::terminate).
 DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept;
-#if DDP_BODIES
-DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept {
-  try {
-    if (path.empty()) return;
-    // torchrun shows py_callstack (Python's traceback) in its summary: the message again.
-    const std::string quoted = json_quoted(message);
-    const std::string json = concat(
-        "{\"message\": {\"message\": ", quoted, ", \"extraInfo\": {\"py_callstack\": ", quoted,
-        ", \"timestamp\": \"", static_cast<long long>(std::time(nullptr)), "\"}}}\n");
-    const int fd =
-        ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) return;
-    for (std::size_t at = 0; at < json.size();) {
-      const ssize_t n = ::write(fd, json.data() + at, json.size() - at);
-      if (n <= 0) break;
-      at += static_cast<std::size_t>(n);
-    }
-    ::close(fd);
-  } catch (...) {
-  }
-}
-#endif  // DDP_BODIES
 
 /// The error file the launcher asked for (TORCHELASTIC_ERROR_FILE), or "".
 [[nodiscard]] inline std::string error_file_path() {
@@ -6504,28 +6704,10 @@ struct TerminateReport {
 inline TerminateReport terminate_report;
 
 [[noreturn]] DDP_INLINE void terminate_with_error_file() noexcept;
-#if DDP_BODIES
-DDP_INLINE void terminate_with_error_file() noexcept {
-  if (const std::exception_ptr e = std::current_exception())
-    write_error_file(terminate_report.path, exception_text(e));
-  if (const std::terminate_handler next = terminate_report.previous.load()) next();
-  std::abort();
-}
-#endif  // DDP_BODIES
 
 /// Installs terminate_with_error_file once per process, when the launcher asked for an error
 /// file.
 DDP_INLINE void install_error_file_handler();
-#if DDP_BODIES
-DDP_INLINE void install_error_file_handler() {
-  TerminateReport& r = terminate_report;
-  if (r.installed.load()) return;
-  std::string path = error_file_path();
-  if (path.empty() || r.installed.exchange(true)) return;
-  r.path = std::move(path);
-  r.previous.store(std::set_terminate(&terminate_with_error_file));
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -6550,6 +6732,84 @@ int record(F&& fn) {
 }
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/comm/impl/error_file.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/error_file.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string type_name(const std::type_info& t) {
+#if __has_include(<cxxabi.h>)
+  int status = 0;
+  if (char* name = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status)) {
+    std::string out = name;
+    std::free(name);
+    return out;
+  }
+#endif
+  return t.name();
+}
+
+DDP_INLINE std::string exception_text(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& x) {
+    return concat("ddp::Error (", to_string(x.code()), "): ", x.what());
+  } catch (const std::exception& x) {
+    return concat(type_name(typeid(x)), ": ", x.what());
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept {
+  try {
+    if (path.empty()) return;
+    // torchrun shows py_callstack (Python's traceback) in its summary: the message again.
+    const std::string quoted = json_quoted(message);
+    const std::string json = concat(
+        "{\"message\": {\"message\": ", quoted, ", \"extraInfo\": {\"py_callstack\": ", quoted,
+        ", \"timestamp\": \"", static_cast<long long>(std::time(nullptr)), "\"}}}\n");
+    const int fd =
+        ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    for (std::size_t at = 0; at < json.size();) {
+      const ssize_t n = ::write(fd, json.data() + at, json.size() - at);
+      if (n <= 0) break;
+      at += static_cast<std::size_t>(n);
+    }
+    ::close(fd);
+  } catch (...) {
+  }
+}
+
+DDP_INLINE void terminate_with_error_file() noexcept {
+  if (const std::exception_ptr e = std::current_exception())
+    write_error_file(terminate_report.path, exception_text(e));
+  if (const std::terminate_handler next = terminate_report.previous.load()) next();
+  std::abort();
+}
+
+DDP_INLINE void install_error_file_handler() {
+  TerminateReport& r = terminate_report;
+  if (r.installed.load()) return;
+  std::string path = error_file_path();
+  if (path.empty() || r.installed.exchange(true)) return;
+  r.path = std::move(path);
+  r.previous.store(std::set_terminate(&terminate_with_error_file));
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/impl/error_file.ipp
+#endif
 // end ddp/comm/error_file.hpp
 // begin ddp/comm/owner.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -6587,7 +6847,21 @@ struct OwnerProcess {
   void check_process(int rank, const char* what) const;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/comm/impl/owner.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/owner.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE void OwnerProcess::check_process(int rank, const char* what) const {
   if (inherited()) [[unlikely]] {
     fail(Errc::invalid_argument, "rank ", rank, ": ", what,
@@ -6598,10 +6872,11 @@ DDP_INLINE void OwnerProcess::check_process(int rank, const char* what) const {
          "before init()");
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/comm/impl/owner.ipp
+#endif
 // end ddp/comm/owner.hpp
 // begin ddp/comm/poison.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -6665,7 +6940,21 @@ struct CommPoison {
   }
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/comm/impl/poison.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/poison.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE void CommPoison::poison_with(const Error& e) {
   std::lock_guard lock(poison_mutex);
   if (poison.empty()) {
@@ -6696,300 +6985,12 @@ DDP_INLINE void CommPoison::check_poisoned(int rank, const char* name) const {
   if (poisoned.load(std::memory_order_acquire)) [[unlikely]]
     fail_poisoned(rank, name);
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/comm/impl/poison.ipp
+#endif
 // end ddp/comm/poison.hpp
-// begin ddp/comm/recorder.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The flight recorder: every communicator keeps its most recent operations (op, sequence
-/// number, bytes, state, when it was issued, started and ended) in a ring of Options::trace_entries
-/// records, readable at any time with Communicator::recent() / trace(), and written out when an
-/// operation times out (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows
-/// which rank fell behind and where; the timeout message itself already names the ranks that did
-/// not arrive. Reading dumps back and comparing a job's ranks is the tools' part
-/// (tools/trace_diagnose.hpp: the `ddp-trace` tool prints it for a directory of dumps).
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <string_view>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// One operation in a communicator's flight recorder.
-struct TraceRecord {
-  /// Where the operation is: waiting behind others, running, finished, or failed.
-  enum class State : std::uint8_t { queued, running, done, failed };
-  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
-  const char* op = "";          ///< "all_reduce", "broadcast", ...
-  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
-  State state = State::queued;  ///< where it was when the record was read
-  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
-  /// When it started running (the epoch while it has not).
-  std::chrono::steady_clock::time_point started{};
-  /// When it finished or failed (the epoch while it has not).
-  std::chrono::steady_clock::time_point ended{};
-};
-
-/// The state's name: "queued", "running", "done" or "failed".
-[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
-  switch (s) {
-    case TraceRecord::State::queued: return "queued";
-    case TraceRecord::State::running: return "running";
-    case TraceRecord::State::done: return "done";
-    case TraceRecord::State::failed: return "failed";
-  }
-  return "?";
-}
-
-namespace detail {
-
-/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
-/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
-/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
-[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
-#if DDP_BODIES
-DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
-  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
-                                            : std::chrono::milliseconds(1000);
-}
-#endif  // DDP_BODIES
-
-/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
-/// increment and a few plain stores, updating its state one store, so the flight recorder stays
-/// on in production. Operations are recorded by the thread that issues them and updated by the
-/// one that runs them; any thread may read (a record being written at that moment is skipped).
-/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
-/// ages in ms).
-class FlightRecorder {
- public:
-  using State = TraceRecord::State;
-
-  /// Sets the capacity and forgets every record; not concurrent with the other members.
-  void resize(std::size_t capacity);
-
-  /// Records a new operation and returns its sequence number.
-  std::uint64_t issue(const char* op, std::size_t bytes, State state);
-
-  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
-  void update(std::uint64_t seq, State state);
-
-  /// The records still held, oldest first.
-  [[nodiscard]] std::vector<TraceRecord> recent() const;
-
-  /// Operations issued so far.
-  [[nodiscard]] std::uint64_t issued() const;
-
- private:
-  struct Slot {
-    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
-    std::atomic<const char*> op{""};
-    std::atomic<std::size_t> bytes{0};
-    std::atomic<State> state{State::queued};
-    std::atomic<std::int64_t> issued_ns{0};
-    std::atomic<std::int64_t> started_ns{0};
-    std::atomic<std::int64_t> ended_ns{0};
-  };
-
-  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
-  static std::int64_t coarse_now_ns() noexcept;
-
-  std::unique_ptr<Slot[]> slots_;
-  std::size_t mask_ = 0;
-  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
-  std::atomic<std::uint64_t> next_{0};
-};
-
-#if DDP_BODIES
-DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
-  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
-  // (a 64-bit division costs more than the rest of recording an operation).
-  std::size_t slots = capacity != 0 ? 1 : 0;
-  while (slots < capacity) slots <<= 1;
-  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
-  mask_ = slots - 1;
-  capacity_ = capacity;
-  next_.store(0, std::memory_order_relaxed);
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
-  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
-  if (capacity_ == 0) return seq;
-  Slot& s = slots_[seq & mask_];
-  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
-  // stores after the odd version, so a reader that sees any of them sees the version change.
-  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
-  s.op.store(op, std::memory_order_release);
-  s.bytes.store(bytes, std::memory_order_release);
-  s.state.store(state, std::memory_order_release);
-  const std::int64_t now = coarse_now_ns();
-  s.issued_ns.store(now, std::memory_order_release);
-  s.started_ns.store(state == State::running ? now : 0, std::memory_order_release);
-  s.ended_ns.store(0, std::memory_order_release);
-  s.version.store(2 * seq + 2, std::memory_order_release);
-  return seq;
-}
-
-DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
-  if (capacity_ == 0) return;
-  Slot& s = slots_[seq & mask_];
-  if (s.version.load(std::memory_order_relaxed) != 2 * seq + 2) return;
-  (state == State::running ? s.started_ns : s.ended_ns)
-      .store(coarse_now_ns(), std::memory_order_release);
-  s.state.store(state, std::memory_order_release);
-}
-
-DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
-  std::vector<TraceRecord> out;
-  const std::uint64_t next = next_.load(std::memory_order_acquire);
-  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
-  out.reserve(static_cast<std::size_t>(n));
-  for (std::uint64_t seq = next - n; seq < next; ++seq) {
-    const Slot& s = slots_[seq & mask_];
-    const std::uint64_t v = s.version.load(std::memory_order_acquire);
-    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
-    TraceRecord r;
-    r.seq = seq;
-    r.op = s.op.load(std::memory_order_acquire);
-    r.bytes = s.bytes.load(std::memory_order_acquire);
-    r.state = s.state.load(std::memory_order_acquire);
-    const auto at = [](const std::atomic<std::int64_t>& ns) {
-      return std::chrono::steady_clock::time_point(
-          std::chrono::nanoseconds(ns.load(std::memory_order_acquire)));
-    };
-    r.issued = at(s.issued_ns);
-    r.started = at(s.started_ns);
-    r.ended = at(s.ended_ns);
-    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
-  }
-  return out;
-}
-
-DDP_INLINE std::uint64_t FlightRecorder::issued() const {
-  return next_.load(std::memory_order_acquire);
-}
-
-DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
-  timespec ts{};
-  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-#endif  // DDP_BODIES
-
-/// The recorder's contents as text: a header line, then one line per record, oldest first.
-[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
-                                                  std::uint64_t issued, int rank, int size,
-                                                  std::string_view group, std::string_view why);
-#if DDP_BODIES
-DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
-                                    int rank, int size, std::string_view group,
-                                    std::string_view why) {
-  const auto now = std::chrono::steady_clock::now();
-  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
-                           "\", the last ", records.size(), " of ", issued, " operations");
-  if (!why.empty()) out += concat(", dumped because: ", why);
-  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
-  // ran: from the start to the end (or to now while it runs; "-" while queued), at the coarse
-  // clock's resolution (a few ms).
-  out += "\n       seq  op                           bytes  state    age (ms)  ran (ms)\n";
-  using std::chrono::milliseconds;
-  for (const auto& r : records) {
-    const auto age = std::chrono::duration_cast<milliseconds>(now - r.issued).count();
-    const bool started = r.started.time_since_epoch().count() != 0;
-    const bool ended = r.ended.time_since_epoch().count() != 0;
-    const auto ran =
-        std::chrono::duration_cast<milliseconds>((ended ? r.ended : now) - r.started).count();
-    char line[192];
-    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld  %8s\n",
-                  static_cast<unsigned long long>(r.seq), r.op,
-                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
-                  static_cast<long long>(age), started ? concat(ran).c_str() : "-");
-    out += line;
-  }
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
-/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept;
-#if DDP_BODIES
-DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
-                           std::string_view group, int rank) noexcept {
-  try {
-    if (where == "stderr" || where == "-") {
-      std::fwrite(text.data(), 1, text.size(), stderr);
-      return;
-    }
-    std::string name(group);
-    for (char& ch : name) {
-      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
-      if (!plain) ch = '_';
-    }
-    // The directory is made if missing (and its parents), as `mkdir -p` would.
-    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
-      (void)::mkdir(where.substr(0, at).c_str(), 0777);
-    (void)::mkdir(where.c_str(), 0777);
-    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
-    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
-    // without a reader fails at once), never anything but a regular file.
-    const int fd = ::open(path.c_str(),
-                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
-    struct stat st {};
-    std::FILE* f = nullptr;
-    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
-    if (f == nullptr && fd >= 0) {
-      ::close(fd);
-      why = "something other than a regular file is there";
-    }
-    if (f != nullptr) {
-      std::fwrite(text.data(), 1, text.size(), f);
-      std::fclose(f);
-      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
-    } else {
-      // Not lost: the dump goes to stderr instead, after the reason.
-      std::fprintf(stderr,
-                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
-                   path.c_str(), why);
-      std::fwrite(text.data(), 1, text.size(), stderr);
-    }
-  } catch (...) {
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/comm/recorder.hpp
 // begin ddp/comm/staging.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -7211,61 +7212,12 @@ namespace detail {
 /// The number of tasks on node `node` from a Slurm task layout: "2(x3),1" means 2, 2, 2, 1.
 /// nullopt when it does not parse or has no such node.
 [[nodiscard]] DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node);
-#if DDP_BODIES
-DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
-  int index = 0;
-  while (!layout.empty()) {
-    const std::size_t comma = layout.find(',');
-    const std::string_view item = layout.substr(0, comma);
-    layout = comma == std::string_view::npos ? std::string_view{} : layout.substr(comma + 1);
-    int tasks = 0, repeat = 1;
-    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
-    if (ec != std::errc{} || tasks < 1) return std::nullopt;
-    std::string_view rest(end, static_cast<std::size_t>(item.data() + item.size() - end));
-    if (!rest.empty()) {  // "(xM)"
-      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') return std::nullopt;
-      const auto [e2, ec2] =
-          std::from_chars(rest.data() + 2, rest.data() + rest.size() - 1, repeat);
-      if (ec2 != std::errc{} || e2 != rest.data() + rest.size() - 1 || repeat < 1)
-        return std::nullopt;
-    }
-    if (node < index + repeat) return tasks;
-    index += repeat;
-  }
-  return std::nullopt;
-}
-#endif  // DDP_BODIES
 
 /// The first host name of a Slurm node list: "gpu[07-09,12],cpu3" -> "gpu07".
 [[nodiscard]] DDP_INLINE std::string first_slurm_host(std::string_view list);
-#if DDP_BODIES
-DDP_INLINE std::string first_slurm_host(std::string_view list) {
-  const auto bracket = list.find('[');
-  const auto comma = list.find(',');
-  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
-    return std::string(list.substr(0, comma));
-  }
-  const auto close = list.find(']', bracket);
-  if (close == std::string_view::npos) {
-    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
-  }
-  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
-  range = range.substr(0, range.find_first_of(",-"));
-  return std::string(list.substr(0, bracket)) + std::string(range);
-}
-#endif  // DDP_BODIES
 
 DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
                            const char* world_var);
-#if DDP_BODIES
-DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
-                           const char* world_var) {
-  if (rank >= world) {
-    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
-         world_var, "=", world);
-  }
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -7424,6 +7376,69 @@ inline Environment Environment::detect() {
 }
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/impl/environment.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/environment.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::optional<int> slurm_tasks_on_node(std::string_view layout, int node) {
+  int index = 0;
+  while (!layout.empty()) {
+    const std::size_t comma = layout.find(',');
+    const std::string_view item = layout.substr(0, comma);
+    layout = comma == std::string_view::npos ? std::string_view{} : layout.substr(comma + 1);
+    int tasks = 0, repeat = 1;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
+    if (ec != std::errc{} || tasks < 1) return std::nullopt;
+    std::string_view rest(end, static_cast<std::size_t>(item.data() + item.size() - end));
+    if (!rest.empty()) {  // "(xM)"
+      if (rest.size() < 4 || rest.substr(0, 2) != "(x" || rest.back() != ')') return std::nullopt;
+      const auto [e2, ec2] =
+          std::from_chars(rest.data() + 2, rest.data() + rest.size() - 1, repeat);
+      if (ec2 != std::errc{} || e2 != rest.data() + rest.size() - 1 || repeat < 1)
+        return std::nullopt;
+    }
+    if (node < index + repeat) return tasks;
+    index += repeat;
+  }
+  return std::nullopt;
+}
+
+DDP_INLINE std::string first_slurm_host(std::string_view list) {
+  const auto bracket = list.find('[');
+  const auto comma = list.find(',');
+  if (bracket == std::string_view::npos || (comma != std::string_view::npos && comma < bracket)) {
+    return std::string(list.substr(0, comma));
+  }
+  const auto close = list.find(']', bracket);
+  if (close == std::string_view::npos) {
+    fail(Errc::invalid_argument, "SLURM_JOB_NODELIST=\"", list, "\" is malformed (no ']')");
+  }
+  std::string_view range = list.substr(bracket + 1, close - bracket - 1);
+  range = range.substr(0, range.find_first_of(",-"));
+  return std::string(list.substr(0, bracket)) + std::string(range);
+}
+
+DDP_INLINE void check_rank(const EnvReader&, int rank, int world, const char* rank_var,
+                           const char* world_var) {
+  if (rank >= world) {
+    fail(Errc::invalid_argument, "environment: ", rank_var, "=", rank, " must be less than ",
+         world_var, "=", world);
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/impl/environment.ipp
+#endif
 // end ddp/environment.hpp
 // #include "ddp/error.hpp" (already included above)
 // begin ddp/membership/rendezvous.hpp
@@ -7468,7 +7483,72 @@ namespace detail {
 /// B; FIX".
 DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
                                   const std::vector<std::string>& values);
+
+/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared, and what every
+/// rank must have been given alike to meet in `where` (the store: "etcd H:P,... (namespace N)",
+/// or ddp's own at "H:P").
+[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
+                                                std::chrono::milliseconds timeout,
+                                                const std::vector<std::string>& missing,
+                                                std::size_t prefix_len, const std::string& where);
+
+/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
+/// names the ranks that are missing.
+[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
+                                                                 std::string_view prefix, int rank,
+                                                                 int size,
+                                                                 std::chrono::milliseconds timeout);
+
+/// What a rank believes about its job; every rank must believe the same.
+struct JobView {
+  int world_size = 1;
+  std::string backend;
+  bool verify_collectives = true;
+  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
+  bool timeline = false;          ///< Options::timeline is set (init() aligns the clocks)
+};
+
+/// Who this process is, as another process would be told ("pid 123 on host node7").
+[[nodiscard]] DDP_INLINE std::string process_label();
+
+/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
+/// gone or has ended (a zombie its parent has not reaped yet).
+[[nodiscard]] DDP_INLINE std::string process_start(int pid);
+
+/// This process as another process on the same machine can find it: host name, boot id and pid
+/// namespace, then pid and start time ("host|boot|pidns pid start").
+[[nodiscard]] DDP_INLINE std::string process_identity();
+
+/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
+/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
+[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
+
+/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
+/// it, when another process claimed it first. Returns normally once the rank is this process's.
+DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
+
+/// Publishes this rank's view of the job and checks it against every rank's (see the file
+/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
+/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
+/// that many ranks to read the failure before it stops serving.
+DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
+                             std::chrono::milliseconds timeout, int& widest);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/membership/impl/rendezvous.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/rendezvous.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_view fix,
                                   const std::vector<std::string>& values) {
   const std::string& mine = values.at(static_cast<std::size_t>(rank));
@@ -7484,16 +7564,7 @@ DDP_INLINE void require_agreement(int rank, std::string_view what, std::string_v
   fail(Errc::mismatch, "rank ", rank, ": the ranks disagree on ", what, ": this rank has ", mine,
        others, "; ", fix);
 }
-#endif  // DDP_BODIES
 
-/// The rendezvous timeout, naming the ranks whose `prefix<j>` key never appeared, and what every
-/// rank must have been given alike to meet in `where` (the store: "etcd H:P,... (namespace N)",
-/// or ddp's own at "H:P").
-[[noreturn]] DDP_INLINE void fail_missing_ranks(int rank, int size,
-                                                std::chrono::milliseconds timeout,
-                                                const std::vector<std::string>& missing,
-                                                std::size_t prefix_len, const std::string& where);
-#if DDP_BODIES
 DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds timeout,
                                    const std::vector<std::string>& missing, std::size_t prefix_len,
                                    const std::string& where) {
@@ -7508,15 +7579,7 @@ DDP_INLINE void fail_missing_ranks(int rank, int size, std::chrono::milliseconds
             : ". Check that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
               "WORLD_SIZE");
 }
-#endif  // DDP_BODIES
 
-/// Waits up to `timeout` for `prefix<j>` of every rank j and returns their values; a timeout
-/// names the ranks that are missing.
-[[nodiscard]] DDP_INLINE std::vector<std::string> gather_records(Store& store,
-                                                                 std::string_view prefix, int rank,
-                                                                 int size,
-                                                                 std::chrono::milliseconds timeout);
-#if DDP_BODIES
 DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_view prefix, int rank,
                                                    int size, std::chrono::milliseconds timeout) {
   std::vector<std::string> keys;
@@ -7527,31 +7590,13 @@ DDP_INLINE std::vector<std::string> gather_records(Store& store, std::string_vie
   for (const auto& k : keys) values.push_back(store.get(k));
   return values;
 }
-#endif  // DDP_BODIES
 
-/// What a rank believes about its job; every rank must believe the same.
-struct JobView {
-  int world_size = 1;
-  std::string backend;
-  bool verify_collectives = true;
-  std::int64_t heartbeat_ms = 0;  ///< Options::heartbeat (0: none)
-  bool timeline = false;          ///< Options::timeline is set (init() aligns the clocks)
-};
-
-/// Who this process is, as another process would be told ("pid 123 on host node7").
-[[nodiscard]] DDP_INLINE std::string process_label();
-#if DDP_BODIES
 DDP_INLINE std::string process_label() {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
   return concat("pid ", ::getpid(), " on host ", name);
 }
-#endif  // DDP_BODIES
 
-/// Process `pid`'s start time (clock ticks after boot, /proc/PID/stat field 22); "" when it is
-/// gone or has ended (a zombie its parent has not reaped yet).
-[[nodiscard]] DDP_INLINE std::string process_start(int pid);
-#if DDP_BODIES
 DDP_INLINE std::string process_start(int pid) {
   const std::string path = concat("/proc/", pid, "/stat");
   std::string stat(1024, '\0');
@@ -7568,12 +7613,7 @@ DDP_INLINE std::string process_start(int pid) {
   if (at == std::string::npos) return {};
   return stat.substr(at + 1, stat.find(' ', at + 1) - at - 1);
 }
-#endif  // DDP_BODIES
 
-/// This process as another process on the same machine can find it: host name, boot id and pid
-/// namespace, then pid and start time ("host|boot|pidns pid start").
-[[nodiscard]] DDP_INLINE std::string process_identity();
-#if DDP_BODIES
 DDP_INLINE std::string process_identity() {
   char name[256] = {};
   (void)::gethostname(name, sizeof name - 1);
@@ -7590,12 +7630,7 @@ DDP_INLINE std::string process_identity() {
   return concat(name, "|", first_line("/proc/sys/kernel/random/boot_id"), "|", ns, " ", ::getpid(),
                 " ", process_start(::getpid()));
 }
-#endif  // DDP_BODIES
 
-/// Whether the process `identity` (process_identity()) ran on this machine, in this pid
-/// namespace, and has ended: certain evidence of a death, without waiting for a lease.
-[[nodiscard]] DDP_INLINE bool ended_here(std::string_view identity);
-#if DDP_BODIES
 DDP_INLINE bool ended_here(std::string_view identity) {
   const std::string mine = process_identity();
   const std::size_t a = identity.find(' '), b = mine.find(' ');
@@ -7609,12 +7644,7 @@ DDP_INLINE bool ended_here(std::string_view identity) {
     return false;
   return process_start(pid) != rest.substr(sp + 1);
 }
-#endif  // DDP_BODIES
 
-/// Claims `rank` in the store: fails with Errc::invalid_argument, naming the process that holds
-/// it, when another process claimed it first. Returns normally once the rank is this process's.
-DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group);
-#if DDP_BODIES
 DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
   const std::string me =
       concat(process_label(), " [", random_value<std::uint64_t>(), "]");  // unique per claim
@@ -7634,15 +7664,7 @@ DDP_INLINE void claim_rank(Store& store, int rank, std::string_view group) {
        "\" is already taken by ", who, "; this process (", process_label(),
        ") was started with the same RANK. Give every process its own RANK (0..WORLD_SIZE-1)");
 }
-#endif  // DDP_BODIES
 
-/// Publishes this rank's view of the job and checks it against every rank's (see the file
-/// comment). Errc::mismatch names the ranks that differ and both values. `widest` is set to the
-/// largest world size any rank claimed (before a mismatch is thrown): the store's host waits for
-/// that many ranks to read the failure before it stops serving.
-DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
-                             std::chrono::milliseconds timeout, int& widest);
-#if DDP_BODIES
 DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
                              std::chrono::milliseconds timeout, int& widest) {
   std::string rec;
@@ -7684,10 +7706,11 @@ DDP_INLINE void agree_on_job(Store& store, int rank, const JobView& job,
                     "set it on every rank or on none (init() aligns the ranks' clocks together)",
                     timelines);
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/membership/impl/rendezvous.ipp
+#endif
 // end ddp/membership/rendezvous.hpp
 // begin ddp/membership/store_location.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -7814,7 +7837,21 @@ class HttpClient {
   bool unreachable_ = false;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/http.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/http.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE HttpClient::HttpClient(std::string host, int port)
     : host_(std::move(host)), port_(port) {}
 
@@ -7951,10 +7988,11 @@ DDP_INLINE IoResult HttpClient::read_reply(HttpReply& r, Deadline deadline, std:
   if (close_after) fd_.reset();
   return IoResult::ok;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/http.ipp
+#endif
 // end ddp/detail/http.hpp
 // #include "ddp/detail/json.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
@@ -7994,7 +8032,21 @@ struct EtcdAddress {
   static EtcdAddress parse(std::string_view url, std::string_view from);
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/etcd_address.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/etcd_address.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE EtcdAddress EtcdAddress::parse(std::string_view url, std::string_view from) {
   const auto bad = [&](std::string_view why) -> void {
     fail(Errc::invalid_argument, from, "=\"", url, "\": ", why,
@@ -8033,10 +8085,11 @@ DDP_INLINE EtcdAddress EtcdAddress::parse(std::string_view url, std::string_view
   if (a.endpoints.empty()) bad("no endpoint");
   return a;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/etcd_address.ipp
+#endif
 // end ddp/store/etcd_address.hpp
 
 #include <algorithm>
@@ -8172,7 +8225,27 @@ class EtcdStoreConnection final : public StoreConnection {
   std::vector<LeaseRecord> closing_;  // this process's close records
 };
 
+/// A Store connection to the etcd cluster of `url` ("etcd://..."; `from` names where it came
+/// from, for errors), in namespace `ns` when the URL names none.
+DDP_INLINE std::shared_ptr<StoreConnection> connect_etcd(std::string_view url,
+                                                         std::string_view from,
+                                                         const std::string& ns, StoreOptions so);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/etcd.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/etcd.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE EtcdStoreConnection::EtcdStoreConnection(EtcdAddress address, StoreOptions o)
     : StoreConnection(std::move(o)),
       address_(std::move(address)),
@@ -8627,14 +8700,7 @@ DDP_INLINE void EtcdStoreConnection::apply(const std::vector<LeaseRecord>& recor
     }
   }
 }
-#endif  // DDP_BODIES
 
-/// A Store connection to the etcd cluster of `url` ("etcd://..."; `from` names where it came
-/// from, for errors), in namespace `ns` when the URL names none.
-DDP_INLINE std::shared_ptr<StoreConnection> connect_etcd(std::string_view url,
-                                                         std::string_view from,
-                                                         const std::string& ns, StoreOptions so);
-#if DDP_BODIES
 DDP_INLINE std::shared_ptr<StoreConnection> connect_etcd(std::string_view url,
                                                          std::string_view from,
                                                          const std::string& ns, StoreOptions so) {
@@ -8646,10 +8712,11 @@ DDP_INLINE std::shared_ptr<StoreConnection> connect_etcd(std::string_view url,
          "(etcd://HOST:PORT/NAME), the same on every rank and new for each run");
   return std::make_shared<EtcdStoreConnection>(std::move(a), std::move(so));
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/etcd.ipp
+#endif
 // end ddp/store/etcd.hpp
 // begin ddp/store/server.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -8741,7 +8808,21 @@ DDP_INLINE bool looks_like_text(std::string_view first4);
 /// `s` with every byte outside printable ASCII shown as '?'.
 DDP_INLINE std::string printable(std::string_view s);
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/refusals.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/refusals.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE void RefusalLog::refuse(const StoreOptions& o, const std::string& peer,
                                    std::string_view why) {
   refused_.fetch_add(1);
@@ -8778,10 +8859,11 @@ DDP_INLINE std::string printable(std::string_view s) {
   for (char ch : s) out += (ch >= 32 && ch < 127) ? ch : '?';
   return out;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/store/impl/refusals.ipp
+#endif
 // end ddp/store/refusals.hpp
 
 #include <fcntl.h>
@@ -8961,7 +9043,22 @@ class StoreEngine {
   std::size_t total_bytes_ = 0;
 };
 
+}  // namespace detail
+
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/engine.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/engine.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE StoreEngine::StoreEngine(StoreOptions options) : options_(std::move(options)) {}
 
 DDP_INLINE auto StoreEngine::session(std::uint64_t id) -> Session* {
@@ -9404,11 +9501,11 @@ DDP_INLINE void StoreEngine::wake_waiters() {
     return try_answer(*s, wt);
   });
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
-
 DDP_END_NAMESPACE
+// end ddp/store/impl/engine.ipp
+#endif
 // end ddp/store/engine.hpp
 // #include "ddp/store/protocol.hpp" (already included above)
 
@@ -9499,7 +9596,19 @@ class StoreServer {
   std::thread thread_;
 };
 
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/store/impl/server.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/store/server.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
 DDP_INLINE StoreServer::StoreServer(const std::string& host, int port, StoreOptions options)
     : StoreServer(detail::listen_tcp(host, port), host, std::move(options)) {}
 
@@ -9656,9 +9765,10 @@ DDP_INLINE void StoreServer::flush_all() {
     }
   }
 }
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
+// end ddp/store/impl/server.ipp
+#endif
 // end ddp/store/server.hpp
 
 #include <algorithm>
@@ -9672,26 +9782,9 @@ namespace detail {
 
 /// Where a job's store port `port` comes from, for the message when it is taken.
 [[nodiscard]] DDP_INLINE std::string store_port_source(const Environment& env, int port);
-#if DDP_BODIES
-DDP_INLINE std::string store_port_source(const Environment& env, int port) {
-  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
-  if (env.launcher == "torchrun" && port == env.master_port + 1)
-    return concat("takes MASTER_PORT + 1 = ", port,
-                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
-                  env.master_port, ")");
-  return concat("takes DDP_STORE_PORT = ", port);
-}
-#endif  // DDP_BODIES
 
 /// What a store on one of several candidate ports says it serves: the job of `env`.
 [[nodiscard]] DDP_INLINE std::string store_job_name(const Environment& env);
-#if DDP_BODIES
-DDP_INLINE std::string store_job_name(const Environment& env) {
-  const EnvReader launcher;
-  return concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
-                "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
-}
-#endif  // DDP_BODIES
 
 /// The key under which a store on one of several candidate ports names its job.
 inline constexpr std::string_view store_job_key = "ddp/job";
@@ -9700,7 +9793,54 @@ inline constexpr std::string_view store_job_key = "ddp/job";
 /// that port.
 DDP_INLINE int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
                           int ports, const StoreOptions& so);
+
+/// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in turn,
+/// with a window that grows each round, until one serves a store that names `job`, or until
+/// `deadline` (Errc::timeout).
+DDP_INLINE int find_store(const Environment& env, int port, int ports, StoreOptions so,
+                          const std::string& job, Clock::time_point deadline);
+
+/// The etcd namespace a launcher gives the job: ddprun's run (DDP_RUN_ID), torchrun's run id
+/// (unless "none"), Slurm's job and step; "" when none does.
+[[nodiscard]] DDP_INLINE std::string store_namespace();
+
+/// The job's store in the etcd cluster `url` (Options::store), for rank `rank`: its lease as
+/// long as the heartbeat (10 s without one). ddp's token authenticates nothing there: a token
+/// given is refused rather than ignored.
+[[nodiscard]] DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
+                                                                std::chrono::milliseconds heartbeat,
+                                                                StoreOptions so);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/membership/impl/store_location.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/store_location.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string store_port_source(const Environment& env, int port) {
+  if (port == env.master_port) return concat("takes MASTER_PORT = ", port);
+  if (env.launcher == "torchrun" && port == env.master_port + 1)
+    return concat("takes MASTER_PORT + 1 = ", port,
+                  " under torchrun (torchrun's agent serves its own store on MASTER_PORT ",
+                  env.master_port, ")");
+  return concat("takes DDP_STORE_PORT = ", port);
+}
+
+DDP_INLINE std::string store_job_name(const Environment& env) {
+  const EnvReader launcher;
+  return concat(env.master_addr, ":", env.master_port, "/", launcher.get("TORCHELASTIC_RUN_ID", ""),
+                "/", launcher.get("TORCHELASTIC_RESTART_COUNT", "0"));
+}
+
 DDP_INLINE int host_store(std::shared_ptr<StoreServer>& server, const Environment& env, int port,
                           int ports, const StoreOptions& so) {
   for (int p = port; p < port + ports; ++p) {
@@ -9719,14 +9859,7 @@ DDP_INLINE int host_store(std::shared_ptr<StoreServer>& server, const Environmen
        "holds it. Set DDP_STORE_PORT to a free port (the same on every rank)",
        port == env.master_port ? ", or choose another MASTER_PORT" : "");
 }
-#endif  // DDP_BODIES
 
-/// Every other rank, when rank 0 may have taken any of [port, port + ports): probes them in turn,
-/// with a window that grows each round, until one serves a store that names `job`, or until
-/// `deadline` (Errc::timeout).
-DDP_INLINE int find_store(const Environment& env, int port, int ports, StoreOptions so,
-                          const std::string& job, Clock::time_point deadline);
-#if DDP_BODIES
 DDP_INLINE int find_store(const Environment& env, int port, int ports, StoreOptions so,
                           const std::string& job, Clock::time_point deadline) {
   const auto timeout = so.timeout;
@@ -9754,12 +9887,7 @@ DDP_INLINE int find_store(const Environment& env, int port, int ports, StoreOpti
     window = std::min(window * 2, std::chrono::milliseconds(2000));
   }
 }
-#endif  // DDP_BODIES
 
-/// The etcd namespace a launcher gives the job: ddprun's run (DDP_RUN_ID), torchrun's run id
-/// (unless "none"), Slurm's job and step; "" when none does.
-[[nodiscard]] DDP_INLINE std::string store_namespace();
-#if DDP_BODIES
 DDP_INLINE std::string store_namespace() {
   const EnvReader e;
   if (std::string id = e.get("DDP_RUN_ID"); !id.empty()) return id;
@@ -9769,15 +9897,7 @@ DDP_INLINE std::string store_namespace() {
     return concat("slurm-", job, ".", e.get("SLURM_STEP_ID", "0"));
   return {};
 }
-#endif  // DDP_BODIES
 
-/// The job's store in the etcd cluster `url` (Options::store), for rank `rank`: its lease as
-/// long as the heartbeat (10 s without one). ddp's token authenticates nothing there: a token
-/// given is refused rather than ignored.
-[[nodiscard]] DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
-                                                                std::chrono::milliseconds heartbeat,
-                                                                StoreOptions so);
-#if DDP_BODIES
 DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int rank,
                                                   std::chrono::milliseconds heartbeat,
                                                   StoreOptions so) {
@@ -9788,10 +9908,11 @@ DDP_INLINE std::shared_ptr<Store> open_etcd_store(const std::string& url, int ra
   so.lease_ttl = heartbeat.count() > 0 ? heartbeat : std::chrono::milliseconds(10000);
   return std::make_shared<Store>(connect_etcd(url, "DDP_STORE", store_namespace(), std::move(so)));
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/membership/impl/store_location.ipp
+#endif
 // end ddp/membership/store_location.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
@@ -9886,7 +10007,21 @@ struct JobStore {
   void linger_after_failed_rendezvous(Store& plain, std::chrono::milliseconds limit) const;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/membership/impl/job_store.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/job_store.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE std::shared_ptr<Store> JobStore::connect_store(const Environment& env) {
   const EnvReader launcher;  // what the launcher that hosts the store says
   launcher_prefix = concat("ddp/", launcher.get("DDP_RESTART_COUNT", "0"), "/");
@@ -10059,10 +10194,11 @@ DDP_INLINE void JobStore::linger_after_failed_rendezvous(Store& plain,
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/membership/impl/job_store.ipp
+#endif
 // end ddp/membership/job_store.hpp
 // begin ddp/membership/watch.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -10145,7 +10281,21 @@ struct MembershipWatch : JobStore {
   [[nodiscard]] std::string peek_membership(const char* key) const;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/membership/impl/watch.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/watch.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE int MembershipWatch::waiting_to_enter() const {
   if (!root_store || base_prefix != job_prefix) return 0;
   Store base = root_store->prefixed(base_prefix).unwatched();
@@ -10245,11 +10395,313 @@ DDP_INLINE std::string MembershipWatch::peek_membership(const char* key) const {
     return {};
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/membership/impl/watch.ipp
+#endif
 // end ddp/membership/watch.hpp
+// begin ddp/observe/recorder.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The flight recorder: every communicator keeps its most recent operations (op, sequence
+/// number, bytes, state, when it was issued, started and ended) in a ring of Options::trace_entries
+/// records, readable at any time with Communicator::recent() / trace(), and written out when an
+/// operation times out (Options::trace_dump, $DDP_TRACE_DUMP). Comparing the ranks' records shows
+/// which rank fell behind and where; the timeout message itself already names the ranks that did
+/// not arrive. Reading dumps back and comparing a job's ranks is the tools' part
+/// (tools/trace_diagnose.hpp: the `ddp-trace` tool prints it for a directory of dumps).
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One operation in a communicator's flight recorder.
+struct TraceRecord {
+  /// Where the operation is: waiting behind others, running, finished, or failed.
+  enum class State : std::uint8_t { queued, running, done, failed };
+  std::uint64_t seq = 0;        ///< operations issued on this communicator before this one
+  const char* op = "";          ///< "all_reduce", "broadcast", ...
+  std::size_t bytes = 0;        ///< bytes of this rank's buffer(s)
+  State state = State::queued;  ///< where it was when the record was read
+  std::chrono::steady_clock::time_point issued{};  ///< when it was called (or queued)
+  /// When it started running (the epoch while it has not).
+  std::chrono::steady_clock::time_point started{};
+  /// When it finished or failed (the epoch while it has not).
+  std::chrono::steady_clock::time_point ended{};
+};
+
+/// The state's name: "queued", "running", "done" or "failed".
+[[nodiscard]] constexpr const char* to_string(TraceRecord::State s) noexcept {
+  switch (s) {
+    case TraceRecord::State::queued: return "queued";
+    case TraceRecord::State::running: return "running";
+    case TraceRecord::State::done: return "done";
+    case TraceRecord::State::failed: return "failed";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// How long a launcher (ddprun, spawn) lets the other workers run after one failed before it
+/// stops them: a second when they write flight recorders ($DDP_TRACE_DUMP), in which they fail on
+/// their own (peers of a failed rank do within milliseconds) and write them; else no time.
+[[nodiscard]] DDP_INLINE std::chrono::milliseconds trace_dump_grace();
+
+/// A fixed ring of TraceRecords that costs no lock: issuing an operation is one atomic
+/// increment and a few plain stores, updating its state one store, so the flight recorder stays
+/// on in production. Operations are recorded by the thread that issues them and updated by the
+/// one that runs them; any thread may read (a record being written at that moment is skipped).
+/// Times come from the coarse monotonic clock (a memory read; a few ms resolution, enough for
+/// ages in ms).
+class FlightRecorder {
+ public:
+  using State = TraceRecord::State;
+
+  /// Sets the capacity and forgets every record; not concurrent with the other members.
+  void resize(std::size_t capacity);
+
+  /// Records a new operation and returns its sequence number.
+  std::uint64_t issue(const char* op, std::size_t bytes, State state);
+
+  /// Moves operation `seq` to `state` (unless the ring has overwritten it since).
+  void update(std::uint64_t seq, State state);
+
+  /// The records still held, oldest first.
+  [[nodiscard]] std::vector<TraceRecord> recent() const;
+
+  /// Operations issued so far.
+  [[nodiscard]] std::uint64_t issued() const;
+
+ private:
+  struct Slot {
+    std::atomic<std::uint64_t> version{0};  // 2 seq + 2 when record `seq` is complete
+    std::atomic<const char*> op{""};
+    std::atomic<std::size_t> bytes{0};
+    std::atomic<State> state{State::queued};
+    std::atomic<std::int64_t> issued_ns{0};
+    std::atomic<std::int64_t> started_ns{0};
+    std::atomic<std::int64_t> ended_ns{0};
+  };
+
+  /// steady_clock's clock (CLOCK_MONOTONIC), read at its coarse resolution.
+  static std::int64_t coarse_now_ns() noexcept;
+
+  std::unique_ptr<Slot[]> slots_;
+  std::size_t mask_ = 0;
+  std::size_t capacity_ = 0;  // records kept (recent() returns at most this many)
+  std::atomic<std::uint64_t> next_{0};
+};
+
+/// The recorder's contents as text: a header line, then one line per record, oldest first.
+[[nodiscard]] DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records,
+                                                  std::uint64_t issued, int rank, int size,
+                                                  std::string_view group, std::string_view why);
+
+/// Writes a dump where Options::trace_dump (or $DDP_TRACE_DUMP) says: "stderr", or a directory
+/// that receives ddp-trace-<group>-rank<r>.txt. Never throws (it runs while an error propagates).
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept;
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/observe/impl/recorder.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/observe/recorder.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::chrono::milliseconds trace_dump_grace() {
+  return !EnvReader().has("DDP_TRACE_DUMP") ? std::chrono::milliseconds(0)
+                                            : std::chrono::milliseconds(1000);
+}
+
+DDP_INLINE void FlightRecorder::resize(std::size_t capacity) {
+  // Slots for a power of two at least `capacity`: a slot is found with a mask, not a division
+  // (a 64-bit division costs more than the rest of recording an operation).
+  std::size_t slots = capacity != 0 ? 1 : 0;
+  while (slots < capacity) slots <<= 1;
+  slots_ = slots != 0 ? std::make_unique<Slot[]>(slots) : nullptr;
+  mask_ = slots - 1;
+  capacity_ = capacity;
+  next_.store(0, std::memory_order_relaxed);
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issue(const char* op, std::size_t bytes, State state) {
+  const std::uint64_t seq = next_.fetch_add(1, std::memory_order_relaxed);
+  if (capacity_ == 0) return seq;
+  Slot& s = slots_[seq & mask_];
+  // A seqlock without fences (ThreadSanitizer does not model them): the fields are release
+  // stores after the odd version, so a reader that sees any of them sees the version change.
+  s.version.store(2 * seq + 1, std::memory_order_relaxed);  // odd: being written
+  s.op.store(op, std::memory_order_release);
+  s.bytes.store(bytes, std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+  const std::int64_t now = coarse_now_ns();
+  s.issued_ns.store(now, std::memory_order_release);
+  s.started_ns.store(state == State::running ? now : 0, std::memory_order_release);
+  s.ended_ns.store(0, std::memory_order_release);
+  s.version.store(2 * seq + 2, std::memory_order_release);
+  return seq;
+}
+
+DDP_INLINE void FlightRecorder::update(std::uint64_t seq, State state) {
+  if (capacity_ == 0) return;
+  Slot& s = slots_[seq & mask_];
+  if (s.version.load(std::memory_order_relaxed) != 2 * seq + 2) return;
+  (state == State::running ? s.started_ns : s.ended_ns)
+      .store(coarse_now_ns(), std::memory_order_release);
+  s.state.store(state, std::memory_order_release);
+}
+
+DDP_INLINE std::vector<TraceRecord> FlightRecorder::recent() const {
+  std::vector<TraceRecord> out;
+  const std::uint64_t next = next_.load(std::memory_order_acquire);
+  const std::uint64_t n = std::min<std::uint64_t>(next, capacity_);
+  out.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t seq = next - n; seq < next; ++seq) {
+    const Slot& s = slots_[seq & mask_];
+    const std::uint64_t v = s.version.load(std::memory_order_acquire);
+    if (v != 2 * seq + 2) continue;  // being written, or already overwritten
+    TraceRecord r;
+    r.seq = seq;
+    r.op = s.op.load(std::memory_order_acquire);
+    r.bytes = s.bytes.load(std::memory_order_acquire);
+    r.state = s.state.load(std::memory_order_acquire);
+    const auto at = [](const std::atomic<std::int64_t>& ns) {
+      return std::chrono::steady_clock::time_point(
+          std::chrono::nanoseconds(ns.load(std::memory_order_acquire)));
+    };
+    r.issued = at(s.issued_ns);
+    r.started = at(s.started_ns);
+    r.ended = at(s.ended_ns);
+    if (s.version.load(std::memory_order_relaxed) == v) out.push_back(r);
+  }
+  return out;
+}
+
+DDP_INLINE std::uint64_t FlightRecorder::issued() const {
+  return next_.load(std::memory_order_acquire);
+}
+
+DDP_INLINE std::int64_t FlightRecorder::coarse_now_ns() noexcept {
+  timespec ts{};
+  if (::clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) != 0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+DDP_INLINE std::string format_trace(const std::vector<TraceRecord>& records, std::uint64_t issued,
+                                    int rank, int size, std::string_view group,
+                                    std::string_view why) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string out = concat("ddp flight recorder: rank ", rank, " of ", size, ", group \"", group,
+                           "\", the last ", records.size(), " of ", issued, " operations");
+  if (!why.empty()) out += concat(", dumped because: ", why);
+  // The op column fits the longest name (all_reduce_coalesced, 20 characters).
+  // ran: from the start to the end (or to now while it runs; "-" while queued), at the coarse
+  // clock's resolution (a few ms).
+  out += "\n       seq  op                           bytes  state    age (ms)  ran (ms)\n";
+  using std::chrono::milliseconds;
+  for (const auto& r : records) {
+    const auto age = std::chrono::duration_cast<milliseconds>(now - r.issued).count();
+    const bool started = r.started.time_since_epoch().count() != 0;
+    const bool ended = r.ended.time_since_epoch().count() != 0;
+    const auto ran =
+        std::chrono::duration_cast<milliseconds>((ended ? r.ended : now) - r.started).count();
+    char line[192];
+    std::snprintf(line, sizeof line, "%10llu  %-22s %12llu  %-7s %9lld  %8s\n",
+                  static_cast<unsigned long long>(r.seq), r.op,
+                  static_cast<unsigned long long>(r.bytes), to_string(r.state),
+                  static_cast<long long>(age), started ? concat(ran).c_str() : "-");
+    out += line;
+  }
+  return out;
+}
+
+DDP_INLINE void dump_trace(const std::string& where, const std::string& text,
+                           std::string_view group, int rank) noexcept {
+  try {
+    if (where == "stderr" || where == "-") {
+      std::fwrite(text.data(), 1, text.size(), stderr);
+      return;
+    }
+    std::string name(group);
+    for (char& ch : name) {
+      const bool plain = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                         (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+      if (!plain) ch = '_';
+    }
+    // The directory is made if missing (and its parents), as `mkdir -p` would.
+    for (std::size_t at = where.find('/', 1); at != std::string::npos; at = where.find('/', at + 1))
+      (void)::mkdir(where.substr(0, at).c_str(), 0777);
+    (void)::mkdir(where.c_str(), 0777);
+    const std::string path = concat(where, "/ddp-trace-", name, "-rank", rank, ".txt");
+    // Never through a link, never waiting on a FIFO someone put there (O_NONBLOCK: opening one
+    // without a reader fails at once), never anything but a regular file.
+    const int fd = ::open(path.c_str(),
+                          O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    const char* why = fd < 0 ? std::strerror(errno) : nullptr;
+    struct stat st {};
+    std::FILE* f = nullptr;
+    if (fd >= 0 && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) f = ::fdopen(fd, "w");
+    if (f == nullptr && fd >= 0) {
+      ::close(fd);
+      why = "something other than a regular file is there";
+    }
+    if (f != nullptr) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+      std::fprintf(stderr, "[ddp] rank %d: flight recorder written to %s\n", rank, path.c_str());
+    } else {
+      // Not lost: the dump goes to stderr instead, after the reason.
+      std::fprintf(stderr,
+                   "[ddp] rank %d: cannot write the flight recorder to %s: %s; here it is\n", rank,
+                   path.c_str(), why);
+      std::fwrite(text.data(), 1, text.size(), stderr);
+    }
+  } catch (...) {
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/observe/impl/recorder.ipp
+#endif
+// end ddp/observe/recorder.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 // begin ddp/work.hpp
@@ -10297,23 +10749,6 @@ struct WorkState {
 
   void wait();
 };
-
-#if DDP_BODIES
-DDP_INLINE void WorkState::finish(std::exception_ptr e) {
-  {
-    std::lock_guard lock(mutex);
-    done = true;
-    error = std::move(e);
-  }
-  cv.notify_all();
-}
-
-DDP_INLINE void WorkState::wait() {
-  std::unique_lock lock(mutex);
-  cv.wait(lock, [&] { return done; });
-  if (error) std::rethrow_exception(error);
-}
-#endif  // DDP_BODIES
 
 /// Runs operations one at a time in issue order: inline when idle, else on a worker thread.
 class Executor {
@@ -10381,7 +10816,60 @@ class Executor {
   std::thread worker_;
 };
 
+}  // namespace detail
+
+/// The handle of an asynchronous operation.
+class Work {
+ public:
+  /// A Work that is already complete.
+  Work() = default;
+  /// Wraps the shared state an executor completes; what the _async collectives return.
+  explicit Work(std::shared_ptr<detail::WorkState> s);
+
+  /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
+  void wait() const {
+    if (state_) state_->wait();
+  }
+
+  /// Whether the operation has finished (successfully or not); never blocks, never throws.
+  [[nodiscard]] bool test() const;
+
+  /// Whether the operation finished and failed.
+  [[nodiscard]] bool failed() const;
+
+ private:
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/impl/work.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/work.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void WorkState::finish(std::exception_ptr e) {
+  {
+    std::lock_guard lock(mutex);
+    done = true;
+    error = std::move(e);
+  }
+  cv.notify_all();
+}
+
+DDP_INLINE void WorkState::wait() {
+  std::unique_lock lock(mutex);
+  cv.wait(lock, [&] { return done; });
+  if (error) std::rethrow_exception(error);
+}
+
 DDP_INLINE Executor::~Executor() {
   {
     std::lock_guard lock(queue_mutex_);
@@ -10423,34 +10911,11 @@ DDP_INLINE void Executor::loop() {
     lock.lock();
   }
 }
-#endif  // DDP_BODIES
-
 }  // namespace detail
+DDP_END_NAMESPACE
 
-/// The handle of an asynchronous operation.
-class Work {
- public:
-  /// A Work that is already complete.
-  Work() = default;
-  /// Wraps the shared state an executor completes; what the _async collectives return.
-  explicit Work(std::shared_ptr<detail::WorkState> s);
+DDP_BEGIN_NAMESPACE
 
-  /// Blocks until the operation has finished; rethrows its ddp::Error if it failed.
-  void wait() const {
-    if (state_) state_->wait();
-  }
-
-  /// Whether the operation has finished (successfully or not); never blocks, never throws.
-  [[nodiscard]] bool test() const;
-
-  /// Whether the operation finished and failed.
-  [[nodiscard]] bool failed() const;
-
- private:
-  std::shared_ptr<detail::WorkState> state_;
-};
-
-#if DDP_BODIES
 DDP_INLINE Work::Work(std::shared_ptr<detail::WorkState> s) : state_(std::move(s)) {}
 
 DDP_INLINE bool Work::test() const {
@@ -10464,9 +10929,10 @@ DDP_INLINE bool Work::failed() const {
   std::lock_guard lock(state_->mutex);
   return state_->done && state_->error != nullptr;
 }
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
+// end ddp/impl/work.ipp
+#endif
 // end ddp/work.hpp
 #if DDP_HAS_CUDA
 // begin ddp/comm/cuda_staging.hpp
@@ -10527,14 +10993,6 @@ namespace detail {
 
 /// Throws Errc::backend for a failed CUDA runtime call.
 DDP_INLINE void cuda_check(cudaError_t rc, const char* call);
-#if DDP_BODIES
-DDP_INLINE void cuda_check(cudaError_t rc, const char* call) {
-  if (rc != cudaSuccess) {
-    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
-    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
-  }
-}
-#endif  // DDP_BODIES
 
 /// Makes `device` current until the end of the scope, never throwing (for destructors).
 struct CudaDeviceScope {
@@ -10545,13 +11003,6 @@ struct CudaDeviceScope {
   CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
 };
 
-#if DDP_BODIES
-DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
-  (void)cudaGetDevice(&previous);
-  if (device != previous) (void)cudaSetDevice(device);
-}
-#endif  // DDP_BODIES
-
 }  // namespace detail
 
 /// Checks a CUDA runtime call: DDP_CUDA_CHECK(cudaMemcpy(...)).
@@ -10560,35 +11011,11 @@ DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
 /// The number of CUDA devices this process can use; 0 when there is no driver or no device
 /// (never throws: this is how tests decide to skip).
 [[nodiscard]] DDP_INLINE int cuda_device_count() noexcept;
-#if DDP_BODIES
-DDP_INLINE int cuda_device_count() noexcept {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-#endif  // DDP_BODIES
 
 /// cuda_device_count() asked in a forked child, so that this process creates no CUDA context: a
 /// context does not survive fork(), so a program that forks its ranks (ddp::spawn) asks this way
 /// before spawning. 0 when the child cannot be made.
 [[nodiscard]] DDP_INLINE int cuda_device_count_before_fork() noexcept;
-#if DDP_BODIES
-DDP_INLINE int cuda_device_count_before_fork() noexcept {
-  const pid_t pid = ::fork();
-  if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
-  if (pid < 0) return 0;
-  int status = 0;
-  pid_t got = -1;
-  do {
-    got = ::waitpid(pid, &status, 0);
-  } while (got < 0 && errno == EINTR);
-  if (got != pid || !WIFEXITED(status)) return 0;
-  return WEXITSTATUS(status);
-}
-#endif  // DDP_BODIES
 
 /// Makes `device` current for the guard's lifetime, then restores the previous one.
 class CudaDeviceGuard {
@@ -10602,13 +11029,6 @@ class CudaDeviceGuard {
  private:
   int previous_ = 0;
 };
-
-#if DDP_BODIES
-DDP_INLINE CudaDeviceGuard::CudaDeviceGuard(int device) {
-  DDP_CUDA_CHECK(cudaGetDevice(&previous_));
-  if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
-}
-#endif  // DDP_BODIES
 
 /// An owned, non-blocking CUDA stream (it does not synchronize with the legacy default stream).
 class CudaStream {
@@ -10634,28 +11054,6 @@ class CudaStream {
   void reset() noexcept;
   cudaStream_t s_ = nullptr;
 };
-
-#if DDP_BODIES
-DDP_INLINE CudaStream::CudaStream(int device) {
-  CudaDeviceGuard g(device);
-  DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
-}
-
-DDP_INLINE CudaStream::CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
-
-DDP_INLINE CudaStream& CudaStream::operator=(CudaStream&& o) noexcept {
-  if (this != &o) {
-    reset();
-    s_ = std::exchange(o.s_, nullptr);
-  }
-  return *this;
-}
-
-DDP_INLINE void CudaStream::reset() noexcept {
-  if (s_ != nullptr) (void)cudaStreamDestroy(s_);
-  s_ = nullptr;
-}
-#endif  // DDP_BODIES
 
 /// An owned CUDA event without timing (the cheap kind), for ordering streams and for polling.
 class CudaEvent {
@@ -10685,30 +11083,6 @@ class CudaEvent {
   void reset() noexcept;
   cudaEvent_t e_ = nullptr;
 };
-
-#if DDP_BODIES
-DDP_INLINE CudaEvent::CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
-
-DDP_INLINE CudaEvent& CudaEvent::operator=(CudaEvent&& o) noexcept {
-  if (this != &o) {
-    reset();
-    e_ = std::exchange(o.e_, nullptr);
-  }
-  return *this;
-}
-
-DDP_INLINE bool CudaEvent::ready() const {
-  const cudaError_t rc = cudaEventQuery(e_);
-  if (rc == cudaErrorNotReady) return false;
-  detail::cuda_check(rc, "cudaEventQuery");
-  return true;
-}
-
-DDP_INLINE void CudaEvent::reset() noexcept {
-  if (e_ != nullptr) (void)cudaEventDestroy(e_);
-  e_ = nullptr;
-}
-#endif  // DDP_BODIES
 
 /// `size` elements of T in device memory (cudaMalloc), on `device`, associated with `stream`
 /// (the stream whose work produces its contents; nullptr: the legacy default stream). Moves, never
@@ -10893,32 +11267,10 @@ namespace detail {
 
 /// Waits for a CUDA event, polling, for at most `timeout`; Errc::timeout names `what`.
 DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what);
-#if DDP_BODIES
-DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
-  const auto start = std::chrono::steady_clock::now();
-  for (unsigned spins = 0; !e.ready(); ++spins) {
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if (waited > timeout) {
-      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
-           " ms (is a kernel on the tensor's stream stuck?)");
-    }
-    if (spins < 64)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-#endif  // DDP_BODIES
 
 /// Copies `n` bytes between host memory and CUDA devices, in either direction, ordered on
 /// `stream` (a cudaStream_t as void*).
 DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream);
-#if DDP_BODIES
-DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
-  DDP_CUDA_CHECK(
-      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
-}
-#endif  // DDP_BODIES
 
 /// Sets `n` bytes of device memory to zero, ordered on `stream`.
 inline void cuda_zero_async(void* dst, std::size_t n, void* stream) {
@@ -10932,43 +11284,17 @@ inline void cuda_sync(void* stream) {
 
 /// Later work on `waiter` starts after the work queued on `producer` so far.
 DDP_INLINE void cuda_join_streams(void* waiter, void* producer);
-#if DDP_BODIES
-DDP_INLINE void cuda_join_streams(void* waiter, void* producer) {
-  if (waiter == producer) return;
-  CudaEvent done;
-  done.record(static_cast<cudaStream_t>(producer));
-  done.block(static_cast<cudaStream_t>(waiter));
-}
-#endif  // DDP_BODIES
 
 // The copies between a model's parameters and the averagers' buckets (ddp/training/), host or
-// CUDA memory alike; ddp/training/parameters.hpp has their host-only twins for builds without
-// CUDA.
+// CUDA memory alike; ddp/training/averaging/parameters.hpp has their host-only twins for builds
+// without CUDA.
 
 /// Copies `n` bytes between host memory and CUDA devices (`cuda`: either side is on a device),
 /// ordered on `stream`.
 DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream);
-#if DDP_BODIES
-DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
-  if (n == 0) return;
-  if (cuda)
-    cuda_copy_async(dst, src, n, stream);
-  else
-    std::memcpy(dst, src, n);
-}
-#endif  // DDP_BODIES
 
 /// Sets `n` bytes to zero, on a CUDA device (ordered on `stream`) or on the host.
 DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream);
-#if DDP_BODIES
-DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
-  if (n == 0) return;
-  if (cuda)
-    cuda_zero_async(dst, n, stream);
-  else
-    std::memset(dst, 0, n);
-}
-#endif  // DDP_BODIES
 
 /// Blocks until the work queued on a CUDA stream is done (nothing for host memory).
 inline void sync_stream(bool cuda, void* stream) {
@@ -10983,6 +11309,155 @@ inline void join_streams(bool cuda, void* waiter, void* producer) {
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/impl/cuda.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/cuda.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void cuda_check(cudaError_t rc, const char* call) {
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();  // clear a sticky-free error so later calls report their own
+    fail(Errc::backend, call, " failed: ", cudaGetErrorString(rc), " (", cudaGetErrorName(rc), ")");
+  }
+}
+
+DDP_INLINE CudaDeviceScope::CudaDeviceScope(int device) noexcept {
+  (void)cudaGetDevice(&previous);
+  if (device != previous) (void)cudaSetDevice(device);
+}
+}  // namespace detail
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+DDP_INLINE int cuda_device_count_before_fork() noexcept {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(std::min(cuda_device_count(), 250));
+  if (pid < 0) return 0;
+  int status = 0;
+  pid_t got = -1;
+  do {
+    got = ::waitpid(pid, &status, 0);
+  } while (got < 0 && errno == EINTR);
+  if (got != pid || !WIFEXITED(status)) return 0;
+  return WEXITSTATUS(status);
+}
+
+DDP_INLINE CudaDeviceGuard::CudaDeviceGuard(int device) {
+  DDP_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (device != previous_) DDP_CUDA_CHECK(cudaSetDevice(device));
+}
+
+DDP_INLINE CudaStream::CudaStream(int device) {
+  CudaDeviceGuard g(device);
+  DDP_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+}
+
+DDP_INLINE CudaStream::CudaStream(CudaStream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+
+DDP_INLINE CudaStream& CudaStream::operator=(CudaStream&& o) noexcept {
+  if (this != &o) {
+    reset();
+    s_ = std::exchange(o.s_, nullptr);
+  }
+  return *this;
+}
+
+DDP_INLINE void CudaStream::reset() noexcept {
+  if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+  s_ = nullptr;
+}
+
+DDP_INLINE CudaEvent::CudaEvent(CudaEvent&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+
+DDP_INLINE CudaEvent& CudaEvent::operator=(CudaEvent&& o) noexcept {
+  if (this != &o) {
+    reset();
+    e_ = std::exchange(o.e_, nullptr);
+  }
+  return *this;
+}
+
+DDP_INLINE bool CudaEvent::ready() const {
+  const cudaError_t rc = cudaEventQuery(e_);
+  if (rc == cudaErrorNotReady) return false;
+  detail::cuda_check(rc, "cudaEventQuery");
+  return true;
+}
+
+DDP_INLINE void CudaEvent::reset() noexcept {
+  if (e_ != nullptr) (void)cudaEventDestroy(e_);
+  e_ = nullptr;
+}
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void cuda_wait(const CudaEvent& e, std::chrono::milliseconds timeout, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned spins = 0; !e.ready(); ++spins) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (waited > timeout) {
+      fail(Errc::timeout, what, " did not complete within ", timeout.count(),
+           " ms (is a kernel on the tensor's stream stuck?)");
+    }
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+DDP_INLINE void cuda_copy_async(void* dst, const void* src, std::size_t n, void* stream) {
+  DDP_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
+DDP_INLINE void cuda_join_streams(void* waiter, void* producer) {
+  if (waiter == producer) return;
+  CudaEvent done;
+  done.record(static_cast<cudaStream_t>(producer));
+  done.block(static_cast<cudaStream_t>(waiter));
+}
+
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (cuda)
+    cuda_copy_async(dst, src, n, stream);
+  else
+    std::memcpy(dst, src, n);
+}
+
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool cuda, void* stream) {
+  if (n == 0) return;
+  if (cuda)
+    cuda_zero_async(dst, n, stream);
+  else
+    std::memset(dst, 0, n);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/impl/cuda.ipp
+#endif
 // end ddp/cuda.hpp
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -11228,7 +11703,21 @@ struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   void check_membership_after_gap(int rank, const char* name);
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/comm/impl/state.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/state.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE CommState::CommState() = default;
 DDP_INLINE CommState::~CommState() = default;
 
@@ -11286,10 +11775,11 @@ DDP_INLINE void CommState::check_membership_after_gap(int rank, const char* name
     fail(Errc::aborted, why);
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/comm/impl/state.ipp
+#endif
 // end ddp/comm/state.hpp
 // #include "ddp/types.hpp" (already included above)
 
@@ -11350,17 +11840,6 @@ void whole(CommState& s, int rank, const char* what, const F& f, A... a) {
 /// premul_sum's first step where the backend has none of its own: this rank's values in `h`
 /// (host memory) multiplied by `factor`.
 DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what);
-#if DDP_BODIES
-DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what) {
-  if (h.count == 0) return;
-  if (h.device.is_cuda())
-    fail(Errc::unsupported, "rank ", rank, ": ", what, "(", to_string(h.dtype),
-         ", op premul_sum): the buffer is on ", to_string(h.device),
-         " and this backend moves it itself; ddp's headers carry no GPU kernels to multiply it "
-         "(backend::Nccl applies the factor itself): multiply on the device and use sum");
-  scale_fn(h.dtype)(h.data, h.count, factor);
-}
-#endif  // DDP_BODIES
 
 /// A copy of `h`'s bytes, for premul_sum where the input must stay as it is (reduce's non-root
 /// ranks, reduce_scatter's `in`).
@@ -11608,6 +12087,33 @@ void run_monitored_barrier(Backend& be, CommState& st, std::chrono::milliseconds
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/comm/impl/dispatch.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/dispatch.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what) {
+  if (h.count == 0) return;
+  if (h.device.is_cuda())
+    fail(Errc::unsupported, "rank ", rank, ": ", what, "(", to_string(h.dtype),
+         ", op premul_sum): the buffer is on ", to_string(h.device),
+         " and this backend moves it itself; ddp's headers carry no GPU kernels to multiply it "
+         "(backend::Nccl applies the factor itself): multiply on the device and use sum");
+  scale_fn(h.dtype)(h.data, h.count, factor);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/impl/dispatch.ipp
+#endif
 // end ddp/comm/dispatch.hpp
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -11685,16 +12191,6 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
 /// all_to_all's in_counts then out_counts, one per rank each, checked.
 DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
                                                   std::span<const std::size_t> b, Caller caller);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
-                                                  std::span<const std::size_t> b, Caller caller) {
-  check_entries(a, caller, "all_to_all", "in_counts");
-  check_entries(b, caller, "all_to_all", "out_counts");
-  std::vector<std::size_t> v(a.begin(), a.end());
-  v.insert(v.end(), b.begin(), b.end());
-  return v;
-}
-#endif  // DDP_BODIES
 
 /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
 /// them (see comm/call.hpp).
@@ -11767,6 +12263,32 @@ BatchArgs prepare_batch_args(std::span<const P2POp> ops, Caller caller) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/comm/impl/arguments.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/arguments.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
+                                                  std::span<const std::size_t> b, Caller caller) {
+  check_entries(a, caller, "all_to_all", "in_counts");
+  check_entries(b, caller, "all_to_all", "out_counts");
+  std::vector<std::size_t> v(a.begin(), a.end());
+  v.insert(v.end(), b.begin(), b.end());
+  return v;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/impl/arguments.ipp
+#endif
 // end ddp/comm/arguments.hpp
 // #include "ddp/comm/dispatch.hpp" (already included above)
 // begin ddp/comm/init.hpp
@@ -11785,494 +12307,6 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/comm/state.hpp" (already included above)
-// begin ddp/comm/timeline.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The timeline: with Options::timeline (or $DDP_TIMELINE) naming a directory, every process
-/// writes what its communicators did, when and for how long, as Chrome trace-event JSON
-/// (`<dir>/ddp-timeline-rank<R>-<pid>.json`) that Perfetto (ui.perfetto.dev) and chrome://tracing
-/// open: one process per rank, one track for the program's steps (GradientAverager's step and
-/// its wait for the buckets, checkpoint saves, shrink and grow, the program's own
-/// ddp::TimelineSpan), one for the buckets' comm hooks, one per communicator group for its
-/// collectives (start, duration, bytes, queueing, the bucket that issued it). Times are on rank
-/// 0's clock: init() measures each rank's offset over a few barriers. Off, recording costs one
-/// relaxed atomic load per operation. Where CUDA is on, the same spans are NVTX ranges, so that
-/// Nsight Systems shows them beside the kernels. `ddp-trace DIR` merges the ranks' files and
-/// draws a step of every rank as SVG.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/json.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-
-#if DDP_HAS_CUDA
-#include <nvtx3/nvToolsExt.h>
-#endif
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <chrono>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <mutex>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The tracks of a rank's timeline (Chrome's thread ids); collectives get one per group from
-/// Lane::collectives on; background: work of the library's own threads (AsyncSaver's writes).
-enum class Lane : int { steps = 0, buckets = 1, collectives = 2, background = 1000 };
-
-/// The process's timeline writer (see the file comment). Thread-safe.
-class Timeline {
- public:
-  /// The process's one timeline.
-  static Timeline& get();
-
-  /// Whether spans are being recorded (one relaxed load).
-  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
-
-  /// Starts writing to `dir` as world rank `rank` (made if missing); the first call wins, later
-  /// ones (split groups, shrink, grow) only register. Errc::system when the file cannot be made.
-  void open(const std::string& dir, int rank);
-
-  /// Rank 0's clock minus this process's (nanoseconds), and the file's zero. Spans recorded
-  /// before are shifted when written. `run` names the job's run, the same on every rank of it
-  /// (ddp-trace keeps runs apart); the file is written out at once.
-  void align(std::int64_t offset_ns, std::int64_t zero_ns, std::string_view run);
-
-  /// Pauses (false) or resumes (true) recording into the open file (a benchmark's paired
-  /// rounds: the timeline's cost, on against off, in one process).
-  void set_recording(bool on) {
-    std::lock_guard lock(mutex_);
-    on_.store(on && file_ != nullptr, std::memory_order_relaxed);
-  }
-
-  /// Whether align() was called.
-  [[nodiscard]] bool aligned() {
-    std::lock_guard lock(mutex_);
-    return aligned_;
-  }
-
-  /// The track of a communicator group ("default" for init()'s) on `backend`, named in the
-  /// file once.
-  int lane_of(std::string_view group, std::string_view backend);
-
-  /// One finished span: `name` on track `lane` from `start_ns` to `end_ns` (now_ns() times),
-  /// with `args` a JSON object's members ("\"bytes\":4096") or empty.
-  void span(int lane, std::string_view name, std::string_view cat, std::int64_t start_ns,
-            std::int64_t end_ns, std::string_view args = {});
-
-  /// Writes what is buffered (the file is then a complete JSON document). Every communicator's
-  /// destructor calls it.
-  void flush();
-
-  /// flush(), and no more spans: at the process's exit (static destruction).
-  void close();
-
-  /// The steady clock in nanoseconds (the spans' clock).
-  [[nodiscard]] static std::int64_t now_ns() noexcept {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
-
-  /// The label of the bucket whose hook runs on this thread (-1: none): the collectives it
-  /// issues carry it.
-  static int& bucket_label() noexcept {
-    thread_local int label = -1;
-    return label;
-  }
-
-  Timeline() = default;
-  Timeline(const Timeline&) = delete;
-  Timeline& operator=(const Timeline&) = delete;
-  ~Timeline() { close(); }
-
- private:
-  void write_locked();
-  void format_locked(int lane, std::string_view name, std::string_view cat, std::int64_t start_ns,
-                     std::int64_t end_ns, std::string_view args);
-  void flush_pending_locked();
-
-  std::atomic<bool> on_{false};
-  std::mutex mutex_;
-  std::FILE* file_ = nullptr;
-  pid_t owner_ = 0;  // the process that opened the file (a fork() child writes nothing)
-  int rank_ = 0;
-  bool aligned_ = false;
-  std::int64_t offset_ns_ = 0, zero_ns_ = 0, last_write_ns_ = 0;
-  std::vector<std::string> lanes_;  // group names, from Lane::collectives on
-  struct Pending {
-    int lane;
-    std::string name, cat, args;
-    std::int64_t start_ns, end_ns;
-  };
-  std::vector<Pending> pending_;  // recorded before align()
-  std::string out_;               // formatted, not yet written
-};
-
-#if DDP_BODIES
-DDP_INLINE Timeline& Timeline::get() {
-  static Timeline t;
-  return t;
-}
-
-DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
-  std::lock_guard lock(mutex_);
-  if (file_ != nullptr || dir.empty()) return;
-  for (std::size_t at = dir.find('/', 1); at != std::string::npos; at = dir.find('/', at + 1))
-    (void)::mkdir(dir.substr(0, at).c_str(), 0777);
-  (void)::mkdir(dir.c_str(), 0777);
-  // A new file, created exclusively (never through a link, never over another file: a name
-  // taken, by an earlier process of the same pid or a planted link, gets a suffix).
-  std::string path;
-  int fd = -1;
-  for (int n = 0; fd < 0 && n < 100; ++n) {
-    path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), n == 0 ? "" : concat("-", n),
-                  ".json");
-    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
-                0644);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) {
-    const int err = errno;
-    fail(Errc::system, "rank ", rank, ": the timeline (DDP_TIMELINE) cannot be written to ", path,
-         ": ", std::strerror(err), "; name a writable directory, or unset DDP_TIMELINE");
-  }
-  file_ = ::fdopen(fd, "w");
-  if (file_ == nullptr) {
-    ::close(fd);
-    fail(Errc::system, "rank ", rank, ": the timeline cannot be written to ", path);
-  }
-  rank_ = rank;
-  owner_ = ::getpid();
-  out_ = concat("{\"displayTimeUnit\":\"ms\",\"otherData\":{\"ddp_rank\":", rank,
-                ",\"ddp_pid\":", ::getpid(), "},\"traceEvents\":[\n",
-                "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"args\":{\"name\":\"rank ", rank, "\"}},\n",
-                "{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"args\":{\"sort_index\":", rank, "}},\n",
-                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"tid\":0,\"args\":{\"name\":\"steps\"}},\n",
-                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}},\n",
-                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
-                ",\"tid\":1000,\"args\":{\"name\":\"background\"}}");
-  on_.store(true, std::memory_order_relaxed);
-}
-
-DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns,
-                                std::string_view run) {
-  std::lock_guard lock(mutex_);
-  if (aligned_ || file_ == nullptr) return;
-  offset_ns_ = offset_ns;
-  zero_ns_ = zero_ns;
-  aligned_ = true;
-  out_ += concat(",\n{\"name\":\"ddp_clock\",\"ph\":\"M\",\"pid\":", rank_,
-                 ",\"args\":{\"offset_ns\":", offset_ns, ",\"run\":", json_quoted(run), "}}");
-  flush_pending_locked();
-  write_locked();
-}
-
-DDP_INLINE int Timeline::lane_of(std::string_view group, std::string_view backend) {
-  std::lock_guard lock(mutex_);
-  for (std::size_t i = 0; i < lanes_.size(); ++i)
-    if (lanes_[i] == group) return static_cast<int>(Lane::collectives) + static_cast<int>(i);
-  lanes_.emplace_back(group);
-  const int lane = static_cast<int>(Lane::collectives) + static_cast<int>(lanes_.size()) - 1;
-  if (file_ != nullptr)
-    out_ += concat(",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank_, ",\"tid\":", lane,
-                   ",\"args\":{\"name\":",
-                   json_quoted(concat("collectives: ", group, " (", backend, ")")), "}}");
-  return lane;
-}
-
-DDP_INLINE void Timeline::span(int lane, std::string_view name, std::string_view cat,
-                               std::int64_t start_ns, std::int64_t end_ns, std::string_view args) {
-  std::lock_guard lock(mutex_);
-  if (file_ == nullptr) return;
-  if (!aligned_) {
-    if (pending_.size() < 100000)
-      pending_.push_back(
-          {lane, std::string(name), std::string(cat), std::string(args), start_ns, end_ns});
-    return;
-  }
-  format_locked(lane, name, cat, start_ns, end_ns, args);
-}
-
-DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::string_view cat,
-                                        std::int64_t start_ns, std::int64_t end_ns,
-                                        std::string_view args) {
-  // Appended in place, without temporaries: this runs once per collective.
-  const auto quoted = [this](std::string_view text) {
-    out_ += '"';
-    for (std::size_t i = 0; i < text.size(); ++i) {
-      const auto c = static_cast<unsigned char>(text[i]);
-      if (c == '"' || c == '\\') {
-        out_ += '\\';
-        out_ += static_cast<char>(c);
-      } else if (c < 0x20) {
-        out_ += ' ';
-      } else if (c < 0x80) {
-        out_ += static_cast<char>(c);
-      } else {  // UTF-8 kept whole; any other byte becomes '?', so that the file stays JSON
-        const std::size_t n = c >= 0xc2 && c <= 0xdf   ? 2
-                              : c >= 0xe0 && c <= 0xef ? 3
-                              : c >= 0xf0 && c <= 0xf4 ? 4
-                                                       : 0;
-        bool whole = n != 0 && i + n <= text.size();
-        for (std::size_t k = 1; whole && k < n; ++k)
-          whole = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
-        if (whole) {
-          out_.append(text.substr(i, n));
-          i += n - 1;
-        } else {
-          out_ += '?';
-        }
-      }
-    }
-    out_ += '"';
-  };
-  out_ += ",\n{\"name\":";
-  quoted(name);
-  out_ += ",\"cat\":";
-  quoted(cat);
-  const std::int64_t start = start_ns + offset_ns_ - zero_ns_;
-  const std::int64_t dur = end_ns > start_ns ? end_ns - start_ns : 0;
-  char fixed[160];
-  const int n = std::snprintf(
-      fixed, sizeof fixed,
-      ",\"ph\":\"X\",\"ts\":%s%lld.%03lld,\"dur\":%lld.%03lld,\"pid\":%d,\"tid\":%d",
-      start < 0 ? "-" : "", static_cast<long long>((start < 0 ? -start : start) / 1000),
-      static_cast<long long>((start < 0 ? -start : start) % 1000),
-      static_cast<long long>(dur / 1000), static_cast<long long>(dur % 1000), rank_, lane);
-  out_.append(fixed, static_cast<std::size_t>(std::max(n, 0)));
-  if (!args.empty()) {
-    out_ += ",\"args\":{";
-    out_ += args;
-    out_ += '}';
-  }
-  out_ += '}';
-  // Written every 64 KiB, and at least every second: a process killed loses at most its last
-  // second.
-  if (out_.size() > (std::size_t{1} << 16) || end_ns - last_write_ns_ > 1000000000) write_locked();
-}
-
-DDP_INLINE void Timeline::flush_pending_locked() {
-  for (const Pending& p : pending_)
-    format_locked(p.lane, p.name, p.cat, p.start_ns, p.end_ns, p.args);
-  pending_.clear();
-}
-
-DDP_INLINE void Timeline::write_locked() {
-  if (file_ == nullptr) return;
-  if (owner_ != ::getpid()) {  // a fork() child's copy: the file and what is buffered are the
-    out_.clear();              // parent's
-    return;
-  }
-  // The document is complete after every write: the closing brackets follow the events, and the
-  // next write starts over them.
-  static constexpr std::string_view tail = "\n]}\n";
-  last_write_ns_ = now_ns();
-  out_ += tail;
-  const bool ok = std::fwrite(out_.data(), 1, out_.size(), file_) == out_.size() &&
-                  std::fflush(file_) == 0 &&
-                  std::fseek(file_, -static_cast<long>(tail.size()), SEEK_CUR) == 0;
-  out_.clear();
-  if (!ok) {  // a full disk: the timeline stops, the program goes on
-    std::fprintf(stderr, "[ddp] rank %d: the timeline stopped: %s\n", rank_, std::strerror(errno));
-    std::fclose(file_);
-    file_ = nullptr;
-    on_.store(false, std::memory_order_relaxed);
-  }
-}
-
-DDP_INLINE void Timeline::flush() {
-  std::lock_guard lock(mutex_);
-  write_locked();
-}
-
-DDP_INLINE void Timeline::close() {
-  std::lock_guard lock(mutex_);
-  if (file_ == nullptr) return;
-  if (!aligned_) {  // a rank that never aligned: its own clock
-    aligned_ = true;
-    flush_pending_locked();
-  }
-  write_locked();
-  on_.store(false, std::memory_order_relaxed);
-  if (file_ != nullptr && owner_ == ::getpid()) std::fclose(file_);
-  file_ = nullptr;
-}
-#endif  // DDP_BODIES
-
-/// A span from its construction to its destruction on `lane` (an NVTX range too, where CUDA is
-/// on); nothing when the timeline is off.
-class TimelineScope {
- public:
-  TimelineScope(int lane, const char* name, const char* cat) noexcept : lane_(lane) {
-    if (!Timeline::get().on()) return;
-    name_ = name;
-    cat_ = cat;
-    start_ = Timeline::now_ns();
-#if DDP_HAS_CUDA
-    nvtx_ = nvtxRangeStartA(name);
-#endif
-  }
-  TimelineScope(Lane lane, const char* name, const char* cat) noexcept
-      : TimelineScope(static_cast<int>(lane), name, cat) {}
-  TimelineScope(const TimelineScope&) = delete;
-  TimelineScope& operator=(const TimelineScope&) = delete;
-  ~TimelineScope() {
-    if (name_ == nullptr) return;
-#if DDP_HAS_CUDA
-    nvtxRangeEnd(nvtx_);
-#endif
-    try {
-      Timeline::get().span(lane_, label_.empty() ? std::string_view(name_) : label_, cat_, start_,
-                           Timeline::now_ns(), std::string_view(args_, args_len_));
-    } catch (...) {  // a timeline never fails the operation it records
-    }
-  }
-  /// Whether this span records (the timeline was on when it began).
-  [[nodiscard]] bool on() const noexcept { return name_ != nullptr; }
-  /// The span's name instead of the one it was made with.
-  void label(std::string text) { label_ = std::move(text); }
-  /// Adds `"key":value` to the span's args (`value` is JSON: a number, or json_quoted text).
-  void arg(std::string_view key, std::string_view value) {
-    // A fixed buffer: no allocation per operation (what does not fit is left out).
-    if (args_len_ + key.size() + value.size() + 4 > sizeof args_) return;
-    if (args_len_ != 0) args_[args_len_++] = ',';
-    args_[args_len_++] = '"';
-    for (const char c : key) args_[args_len_++] = c;
-    args_[args_len_++] = '"';
-    args_[args_len_++] = ':';
-    for (const char c : value) args_[args_len_++] = c;
-  }
-  /// Adds `"key":number`.
-  void arg(std::string_view key, std::int64_t number) {
-    char text[24];
-    const int n = std::snprintf(text, sizeof text, "%lld", static_cast<long long>(number));
-    arg(key, std::string_view(text, static_cast<std::size_t>(std::max(n, 0))));
-  }
-  /// When the span began (now_ns()).
-  [[nodiscard]] std::int64_t start() const noexcept { return start_; }
-
- private:
-  int lane_;
-  const char* name_ = nullptr;
-  const char* cat_ = "";
-  std::int64_t start_ = 0;
-  std::string label_;
-  char args_[192];
-  std::size_t args_len_ = 0;
-#if DDP_HAS_CUDA
-  nvtxRangeId_t nvtx_ = 0;
-#endif
-};
-
-/// A bucket's comm hook on the buckets track ("bucket K", its bytes); while it lives, the
-/// collectives this thread issues carry the bucket's number (Timeline::bucket_label).
-class BucketSpan {
- public:
-  BucketSpan(std::size_t bucket, std::size_t bytes)
-      : scope_(Lane::buckets, "bucket", "bucket"), previous_(Timeline::bucket_label()) {
-    if (!scope_.on()) return;
-    scope_.label(concat("bucket ", bucket));
-    scope_.arg("bucket", concat(bucket));
-    scope_.arg("bytes", concat(bytes));
-    Timeline::bucket_label() = static_cast<int>(bucket);
-  }
-  BucketSpan(const BucketSpan&) = delete;
-  BucketSpan& operator=(const BucketSpan&) = delete;
-  ~BucketSpan() { Timeline::bucket_label() = previous_; }
-
- private:
-  TimelineScope scope_;
-  int previous_;
-};
-
-/// A training loop's steps, for the timeline: when the last one ended (when the averager was
-/// made, before the first), and how many there were.
-struct StepClock {
-  std::int64_t last_end_ns = Timeline::get().on() ? Timeline::now_ns() : 0;
-  std::uint64_t steps = 0;
-};
-
-/// GradientAverager::synchronize() on the steps track ("synchronize": the wait for the
-/// buckets) and, when it returns, the step it ends ("step N": since the previous one's end;
-/// both end at the same instant).
-class StepSpan {
- public:
-  explicit StepSpan(StepClock& clock) : clock_(clock) {
-    if (!Timeline::get().on()) return;
-    start_ = Timeline::now_ns();
-#if DDP_HAS_CUDA
-    nvtx_ = nvtxRangeStartA("synchronize");
-#endif
-  }
-  StepSpan(const StepSpan&) = delete;
-  StepSpan& operator=(const StepSpan&) = delete;
-  ~StepSpan() {
-    if (start_ == 0) return;
-#if DDP_HAS_CUDA
-    nvtxRangeEnd(nvtx_);
-#endif
-    const std::int64_t end = Timeline::now_ns();
-    const std::int64_t begin = clock_.last_end_ns != 0 ? clock_.last_end_ns : start_;
-    try {
-      Timeline& t = Timeline::get();
-      t.span(static_cast<int>(Lane::steps), "synchronize", "step", start_, end);
-      t.span(static_cast<int>(Lane::steps), concat("step ", clock_.steps), "step", begin, end,
-             concat("\"step\":", clock_.steps));
-    } catch (...) {
-    }
-    clock_.last_end_ns = end;
-    ++clock_.steps;
-  }
-
- private:
-  StepClock& clock_;
-  std::int64_t start_ = 0;
-#if DDP_HAS_CUDA
-  nvtxRangeId_t nvtx_ = 0;
-#endif
-};
-
-}  // namespace detail
-
-/// A span of the program's own on its rank's "steps" track of the timeline (Options::timeline,
-/// $DDP_TIMELINE): `ddp::TimelineSpan span("forward");` from here to the end of the scope
-/// (an NVTX range too, where CUDA is on). Nothing is recorded, and nothing allocated, when the
-/// timeline is off.
-class TimelineSpan {
- public:
-  /// Starts the span `name`.
-  explicit TimelineSpan(std::string_view name) : scope_(detail::Lane::steps, "span", "user") {
-    if (scope_.on()) scope_.label(std::string(name));
-  }
-  TimelineSpan(const TimelineSpan&) = delete;
-  TimelineSpan& operator=(const TimelineSpan&) = delete;
-  ~TimelineSpan() = default;
-
- private:
-  detail::TimelineScope scope_;
-};
-
-DDP_END_NAMESPACE
-// end ddp/comm/timeline.hpp
 // #include "ddp/detail/env.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -12380,7 +12414,91 @@ struct Growth {
   static Growth parse(std::string_view t, int rank);
 };
 
+/// A join request's claimed world rank ("<claim> <pid>" on its first line): -1 when it is not a
+/// number from 0 to 2^30.
+[[nodiscard]] DDP_INLINE int parse_claim(std::string_view line);
+
+[[nodiscard]] inline std::string join_key(std::int64_t id, std::string_view what = {}) {
+  return what.empty() ? concat("join/", id) : concat("join/", id, "/", what);
+}
+/// A growth's keys: "e<epoch>/g<from>/<what>", `from` the requests answered before it (one
+/// epoch may be tried more than once: a growth that admitted nobody leaves the epoch as it was).
+[[nodiscard]] inline std::string growth_key(std::uint64_t epoch, std::int64_t from,
+                                            std::string_view what) {
+  return concat("e", epoch, "/g", from, "/", what);
+}
+
+/// Where two tickets (pieces separated by ';') first differ, for a refusal.
+[[nodiscard]] DDP_INLINE std::string ticket_difference(std::string_view theirs,
+                                                       std::string_view ours);
+
+/// Whether number `id`'s missing request is still awaited: for 5 s after a grow() first saw it
+/// missing (the time kept in the store, so a later rank 0 keeps it), then it is passed over (a
+/// number taken without a request, by a broken or hostile client, or a newcomer that died).
+DDP_INLINE bool late_request(Store& base, std::int64_t id);
+
+/// Records in the job's store space (`job`: under init()'s prefix) the members of membership
+/// epoch `epoch` by world rank ("members": "<epoch>:<ranks>"), unless a later epoch's are there:
+/// a newcomer waiting to be admitted reads it to learn whether anyone is left to admit it.
+DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
+                               const std::vector<int>& world_ranks);
+
+/// Whether every member of the running job (its last recorded membership, else the world ranks
+/// below `world_size`) other than `claim` is gone (its process ended): nobody is left to admit a
+/// newcomer.
+[[nodiscard]] DDP_INLINE bool job_ended(Store& job, int claim, int world_size);
+
+/// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
+/// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
+DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
+                                const std::string& ticket);
+
+/// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
+DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
+                               int rank, Clock::time_point deadline);
+
+/// Before connecting (step 3), every process of the grown communicator: says it is connecting
+/// ("e<E>/g<tag>/ready/<new rank>", the store marking its death from then on), then waits until
+/// every other has too. One known gone (its process's mark under the job prefix `job`) fails it at
+/// once with Errc::peer_lost; one that never comes (a member that did not call grow(), a stopped
+/// newcomer) with Errc::timeout; either way naming it. `root`: the store without prefix; `g`:
+/// the growth decision.
+DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
+                                   int rank, const std::vector<int>& world_ranks, const Growth& g,
+                                   Clock::time_point deadline);
+
+/// The newcomer's side of step 1: its request's id once written, and its reply once there.
+class JoinRequest {
+ public:
+  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1);
+  [[nodiscard]] std::int64_t id() const noexcept { return id_; }
+
+  /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
+  /// `deadline` (the request is then withdrawn, unless a reply won the race), or "ended" (also
+  /// withdrawn) when every member of the job has ended meanwhile: nobody is left to admit it.
+  std::string await(Clock::time_point deadline);
+
+ private:
+  Store& base_;
+  int claim_ = 0, world_size_ = 1;
+  std::int64_t id_ = 0;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/membership/impl/growth.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/growth.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE std::string Growth::text() const {
   std::string s = concat(upto, "|", ranks_text(members), "|");
   for (std::size_t i = 0; i < ids.size(); ++i)
@@ -12423,12 +12541,7 @@ DDP_INLINE Growth Growth::parse(std::string_view t, int rank) {
   }
   return g;
 }
-#endif  // DDP_BODIES
 
-/// A join request's claimed world rank ("<claim> <pid>" on its first line): -1 when it is not a
-/// number from 0 to 2^30.
-[[nodiscard]] DDP_INLINE int parse_claim(std::string_view line);
-#if DDP_BODIES
 DDP_INLINE int parse_claim(std::string_view line) {
   long long v = -1;
   const std::string_view first = line.substr(0, line.find(' '));
@@ -12437,22 +12550,7 @@ DDP_INLINE int parse_claim(std::string_view line) {
     return -1;
   return static_cast<int>(v);
 }
-#endif  // DDP_BODIES
 
-[[nodiscard]] inline std::string join_key(std::int64_t id, std::string_view what = {}) {
-  return what.empty() ? concat("join/", id) : concat("join/", id, "/", what);
-}
-/// A growth's keys: "e<epoch>/g<from>/<what>", `from` the requests answered before it (one
-/// epoch may be tried more than once: a growth that admitted nobody leaves the epoch as it was).
-[[nodiscard]] inline std::string growth_key(std::uint64_t epoch, std::int64_t from,
-                                            std::string_view what) {
-  return concat("e", epoch, "/g", from, "/", what);
-}
-
-/// Where two tickets (pieces separated by ';') first differ, for a refusal.
-[[nodiscard]] DDP_INLINE std::string ticket_difference(std::string_view theirs,
-                                                       std::string_view ours);
-#if DDP_BODIES
 DDP_INLINE std::string ticket_difference(std::string_view theirs, std::string_view ours) {
   const auto piece = [](std::string_view t, std::size_t k) {
     for (std::size_t i = 0; i < k && !t.empty(); ++i) {
@@ -12471,13 +12569,7 @@ DDP_INLINE std::string ticket_difference(std::string_view theirs, std::string_vi
     if (a.empty()) return "its ticket differs from the members'";
   }
 }
-#endif  // DDP_BODIES
 
-/// Whether number `id`'s missing request is still awaited: for 5 s after a grow() first saw it
-/// missing (the time kept in the store, so a later rank 0 keeps it), then it is passed over (a
-/// number taken without a request, by a broken or hostile client, or a newcomer that died).
-DDP_INLINE bool late_request(Store& base, std::int64_t id);
-#if DDP_BODIES
 DDP_INLINE bool late_request(Store& base, std::int64_t id) {
   const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
@@ -12487,14 +12579,7 @@ DDP_INLINE bool late_request(Store& base, std::int64_t id) {
   (void)std::from_chars(first.data(), first.data() + first.size(), since);
   return now - since < 5000;
 }
-#endif  // DDP_BODIES
 
-/// Records in the job's store space (`job`: under init()'s prefix) the members of membership
-/// epoch `epoch` by world rank ("members": "<epoch>:<ranks>"), unless a later epoch's are there:
-/// a newcomer waiting to be admitted reads it to learn whether anyone is left to admit it.
-DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
-                               const std::vector<int>& world_ranks);
-#if DDP_BODIES
 DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
                                const std::vector<int>& world_ranks) {
   const std::string mine = concat(epoch, ":", ranks_text(world_ranks));
@@ -12509,13 +12594,7 @@ DDP_INLINE void record_members(Store& job, std::uint64_t epoch,
     held = now;
   }
 }
-#endif  // DDP_BODIES
 
-/// Whether every member of the running job (its last recorded membership, else the world ranks
-/// below `world_size`) other than `claim` is gone (its process ended): nobody is left to admit a
-/// newcomer.
-[[nodiscard]] DDP_INLINE bool job_ended(Store& job, int claim, int world_size);
-#if DDP_BODIES
 DDP_INLINE bool job_ended(Store& job, int claim, int world_size) {
   std::vector<int> ranks;
   const std::string held = peek_key(job, "members");
@@ -12529,13 +12608,7 @@ DDP_INLINE bool job_ended(Store& job, int claim, int world_size) {
   }
   return true;
 }
-#endif  // DDP_BODIES
 
-/// Rank 0 of the members: answers the requests that arrived since the last growth of `old`
-/// (this process's communicator, of `size` ranks) and writes the decision of epoch `epoch`.
-DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
-                                const std::string& ticket);
-#if DDP_BODIES
 DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t epoch,
                                 const std::string& ticket) {
   Growth g;
@@ -12612,12 +12685,7 @@ DDP_INLINE Growth decide_growth(MembershipWatch& old, Store& base, std::uint64_t
   }
   return g;
 }
-#endif  // DDP_BODIES
 
-/// The other members: rank 0's decision of epoch `epoch` (rank 0 dying fails it at once).
-DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
-                               int rank, Clock::time_point deadline);
-#if DDP_BODIES
 DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uint64_t epoch,
                                int rank, Clock::time_point deadline) {
   const std::string key[] = {
@@ -12640,18 +12708,7 @@ DDP_INLINE Growth await_growth(const MembershipWatch& old, Store& base, std::uin
          "): is another program writing into this job's store?");
   return g;
 }
-#endif  // DDP_BODIES
 
-/// Before connecting (step 3), every process of the grown communicator: says it is connecting
-/// ("e<E>/g<tag>/ready/<new rank>", the store marking its death from then on), then waits until
-/// every other has too. One known gone (its process's mark under the job prefix `job`) fails it at
-/// once with Errc::peer_lost; one that never comes (a member that did not call grow(), a stopped
-/// newcomer) with Errc::timeout; either way naming it. `root`: the store without prefix; `g`:
-/// the growth decision.
-DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
-                                   int rank, const std::vector<int>& world_ranks, const Growth& g,
-                                   Clock::time_point deadline);
-#if DDP_BODIES
 DDP_INLINE void await_participants(Store& root, const std::string& job, std::uint64_t epoch,
                                    int rank, const std::vector<int>& world_ranks, const Growth& g,
                                    Clock::time_point deadline) {
@@ -12686,26 +12743,7 @@ DDP_INLINE void await_participants(Store& root, const std::string& job, std::uin
     (void)root.missing_after(here, std::chrono::milliseconds(20));
   }
 }
-#endif  // DDP_BODIES
 
-/// The newcomer's side of step 1: its request's id once written, and its reply once there.
-class JoinRequest {
- public:
-  JoinRequest(Store& base, int claim, const std::string& ticket, int world_size = 1);
-  [[nodiscard]] std::int64_t id() const noexcept { return id_; }
-
-  /// The reply ("admit <E> <tag>" or "refuse <errc> <why>"), or "withdrawn" when none came by
-  /// `deadline` (the request is then withdrawn, unless a reply won the race), or "ended" (also
-  /// withdrawn) when every member of the job has ended meanwhile: nobody is left to admit it.
-  std::string await(Clock::time_point deadline);
-
- private:
-  Store& base_;
-  int claim_ = 0, world_size_ = 1;
-  std::int64_t id_ = 0;
-};
-
-#if DDP_BODIES
 DDP_INLINE JoinRequest::JoinRequest(Store& base, int claim, const std::string& ticket,
                                     int world_size)
     : base_(base), claim_(claim), world_size_(world_size) {
@@ -12734,10 +12772,11 @@ DDP_INLINE std::string JoinRequest::await(Clock::time_point deadline) {
     (void)base_.missing_after(key, std::chrono::milliseconds(20));
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/membership/impl/growth.ipp
+#endif
 // end ddp/membership/growth.hpp
 // #include "ddp/membership/watch.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
@@ -12860,7 +12899,21 @@ class MembershipChange {
   std::vector<int> candidates_, members_;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/membership/impl/agreement.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/agreement.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE MembershipChange::MembershipChange(MembershipWatch& old, int old_rank, int old_size,
                                               const ShrinkOptions& o)
     : old_(old), me_(old_rank), size_(old_size), epoch_(old.epoch + 1) {
@@ -13132,12 +13185,516 @@ DDP_INLINE void MembershipChange::excluded(const std::string& why) {
              "rejoin the job as a new rank)");
   fail(Errc::aborted, msg);
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/membership/impl/agreement.ipp
+#endif
 // end ddp/membership/agreement.hpp
 // #include "ddp/membership/growth.hpp" (already included above)
+// begin ddp/observe/timeline.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The timeline: with Options::timeline (or $DDP_TIMELINE) naming a directory, every process
+/// writes what its communicators did, when and for how long, as Chrome trace-event JSON
+/// (`<dir>/ddp-timeline-rank<R>-<pid>.json`) that Perfetto (ui.perfetto.dev) and chrome://tracing
+/// open: one process per rank, one track for the program's steps (GradientAverager's step and
+/// its wait for the buckets, checkpoint saves, shrink and grow, the program's own
+/// ddp::TimelineSpan), one for the buckets' comm hooks, one per communicator group for its
+/// collectives (start, duration, bytes, queueing, the bucket that issued it). Times are on rank
+/// 0's clock: init() measures each rank's offset over a few barriers. Off, recording costs one
+/// relaxed atomic load per operation. Where CUDA is on, the same spans are NVTX ranges, so that
+/// Nsight Systems shows them beside the kernels. `ddp-trace DIR` merges the ranks' files and
+/// draws a step of every rank as SVG.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/json.hpp" (already included above)
+// #include "ddp/detail/lean_std.hpp" (already included above)
+
+#if DDP_HAS_CUDA
+#include <nvtx3/nvToolsExt.h>
+#endif
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The tracks of a rank's timeline (Chrome's thread ids); collectives get one per group from
+/// Lane::collectives on; background: work of the library's own threads (AsyncSaver's writes).
+enum class Lane : int { steps = 0, buckets = 1, collectives = 2, background = 1000 };
+
+/// The process's timeline writer (see the file comment). Thread-safe.
+class Timeline {
+ public:
+  /// The process's one timeline.
+  static Timeline& get();
+
+  /// Whether spans are being recorded (one relaxed load).
+  [[nodiscard]] bool on() const noexcept { return on_.load(std::memory_order_relaxed); }
+
+  /// Starts writing to `dir` as world rank `rank` (made if missing); the first call wins, later
+  /// ones (split groups, shrink, grow) only register. Errc::system when the file cannot be made.
+  void open(const std::string& dir, int rank);
+
+  /// Rank 0's clock minus this process's (nanoseconds), and the file's zero. Spans recorded
+  /// before are shifted when written. `run` names the job's run, the same on every rank of it
+  /// (ddp-trace keeps runs apart); the file is written out at once.
+  void align(std::int64_t offset_ns, std::int64_t zero_ns, std::string_view run);
+
+  /// Pauses (false) or resumes (true) recording into the open file (a benchmark's paired
+  /// rounds: the timeline's cost, on against off, in one process).
+  void set_recording(bool on) {
+    std::lock_guard lock(mutex_);
+    on_.store(on && file_ != nullptr, std::memory_order_relaxed);
+  }
+
+  /// Whether align() was called.
+  [[nodiscard]] bool aligned() {
+    std::lock_guard lock(mutex_);
+    return aligned_;
+  }
+
+  /// The track of a communicator group ("default" for init()'s) on `backend`, named in the
+  /// file once.
+  int lane_of(std::string_view group, std::string_view backend);
+
+  /// One finished span: `name` on track `lane` from `start_ns` to `end_ns` (now_ns() times),
+  /// with `args` a JSON object's members ("\"bytes\":4096") or empty.
+  void span(int lane, std::string_view name, std::string_view cat, std::int64_t start_ns,
+            std::int64_t end_ns, std::string_view args = {});
+
+  /// Writes what is buffered (the file is then a complete JSON document). Every communicator's
+  /// destructor calls it.
+  void flush();
+
+  /// flush(), and no more spans: at the process's exit (static destruction).
+  void close();
+
+  /// The steady clock in nanoseconds (the spans' clock).
+  [[nodiscard]] static std::int64_t now_ns() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  /// The label of the bucket whose hook runs on this thread (-1: none): the collectives it
+  /// issues carry it.
+  static int& bucket_label() noexcept {
+    thread_local int label = -1;
+    return label;
+  }
+
+  Timeline() = default;
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+  ~Timeline() { close(); }
+
+ private:
+  void write_locked();
+  void format_locked(int lane, std::string_view name, std::string_view cat, std::int64_t start_ns,
+                     std::int64_t end_ns, std::string_view args);
+  void flush_pending_locked();
+
+  std::atomic<bool> on_{false};
+  std::mutex mutex_;
+  std::FILE* file_ = nullptr;
+  pid_t owner_ = 0;  // the process that opened the file (a fork() child writes nothing)
+  int rank_ = 0;
+  bool aligned_ = false;
+  std::int64_t offset_ns_ = 0, zero_ns_ = 0, last_write_ns_ = 0;
+  std::vector<std::string> lanes_;  // group names, from Lane::collectives on
+  struct Pending {
+    int lane;
+    std::string name, cat, args;
+    std::int64_t start_ns, end_ns;
+  };
+  std::vector<Pending> pending_;  // recorded before align()
+  std::string out_;               // formatted, not yet written
+};
+
+/// A span from its construction to its destruction on `lane` (an NVTX range too, where CUDA is
+/// on); nothing when the timeline is off.
+class TimelineScope {
+ public:
+  TimelineScope(int lane, const char* name, const char* cat) noexcept : lane_(lane) {
+    if (!Timeline::get().on()) return;
+    name_ = name;
+    cat_ = cat;
+    start_ = Timeline::now_ns();
+#if DDP_HAS_CUDA
+    nvtx_ = nvtxRangeStartA(name);
+#endif
+  }
+  TimelineScope(Lane lane, const char* name, const char* cat) noexcept
+      : TimelineScope(static_cast<int>(lane), name, cat) {}
+  TimelineScope(const TimelineScope&) = delete;
+  TimelineScope& operator=(const TimelineScope&) = delete;
+  ~TimelineScope() {
+    if (name_ == nullptr) return;
+#if DDP_HAS_CUDA
+    nvtxRangeEnd(nvtx_);
+#endif
+    try {
+      Timeline::get().span(lane_, label_.empty() ? std::string_view(name_) : label_, cat_, start_,
+                           Timeline::now_ns(), std::string_view(args_, args_len_));
+    } catch (...) {  // a timeline never fails the operation it records
+    }
+  }
+  /// Whether this span records (the timeline was on when it began).
+  [[nodiscard]] bool on() const noexcept { return name_ != nullptr; }
+  /// The span's name instead of the one it was made with.
+  void label(std::string text) { label_ = std::move(text); }
+  /// Adds `"key":value` to the span's args (`value` is JSON: a number, or json_quoted text).
+  void arg(std::string_view key, std::string_view value) {
+    // A fixed buffer: no allocation per operation (what does not fit is left out).
+    if (args_len_ + key.size() + value.size() + 4 > sizeof args_) return;
+    if (args_len_ != 0) args_[args_len_++] = ',';
+    args_[args_len_++] = '"';
+    for (const char c : key) args_[args_len_++] = c;
+    args_[args_len_++] = '"';
+    args_[args_len_++] = ':';
+    for (const char c : value) args_[args_len_++] = c;
+  }
+  /// Adds `"key":number`.
+  void arg(std::string_view key, std::int64_t number) {
+    char text[24];
+    const int n = std::snprintf(text, sizeof text, "%lld", static_cast<long long>(number));
+    arg(key, std::string_view(text, static_cast<std::size_t>(std::max(n, 0))));
+  }
+  /// When the span began (now_ns()).
+  [[nodiscard]] std::int64_t start() const noexcept { return start_; }
+
+ private:
+  int lane_;
+  const char* name_ = nullptr;
+  const char* cat_ = "";
+  std::int64_t start_ = 0;
+  std::string label_;
+  char args_[192];
+  std::size_t args_len_ = 0;
+#if DDP_HAS_CUDA
+  nvtxRangeId_t nvtx_ = 0;
+#endif
+};
+
+/// A bucket's comm hook on the buckets track ("bucket K", its bytes); while it lives, the
+/// collectives this thread issues carry the bucket's number (Timeline::bucket_label).
+class BucketSpan {
+ public:
+  BucketSpan(std::size_t bucket, std::size_t bytes)
+      : scope_(Lane::buckets, "bucket", "bucket"), previous_(Timeline::bucket_label()) {
+    if (!scope_.on()) return;
+    scope_.label(concat("bucket ", bucket));
+    scope_.arg("bucket", concat(bucket));
+    scope_.arg("bytes", concat(bytes));
+    Timeline::bucket_label() = static_cast<int>(bucket);
+  }
+  BucketSpan(const BucketSpan&) = delete;
+  BucketSpan& operator=(const BucketSpan&) = delete;
+  ~BucketSpan() { Timeline::bucket_label() = previous_; }
+
+ private:
+  TimelineScope scope_;
+  int previous_;
+};
+
+/// A training loop's steps, for the timeline: when the last one ended (when the averager was
+/// made, before the first), and how many there were.
+struct StepClock {
+  std::int64_t last_end_ns = Timeline::get().on() ? Timeline::now_ns() : 0;
+  std::uint64_t steps = 0;
+};
+
+/// GradientAverager::synchronize() on the steps track ("synchronize": the wait for the
+/// buckets) and, when it returns, the step it ends ("step N": since the previous one's end;
+/// both end at the same instant).
+class StepSpan {
+ public:
+  explicit StepSpan(StepClock& clock) : clock_(clock) {
+    if (!Timeline::get().on()) return;
+    start_ = Timeline::now_ns();
+#if DDP_HAS_CUDA
+    nvtx_ = nvtxRangeStartA("synchronize");
+#endif
+  }
+  StepSpan(const StepSpan&) = delete;
+  StepSpan& operator=(const StepSpan&) = delete;
+  ~StepSpan() {
+    if (start_ == 0) return;
+#if DDP_HAS_CUDA
+    nvtxRangeEnd(nvtx_);
+#endif
+    const std::int64_t end = Timeline::now_ns();
+    const std::int64_t begin = clock_.last_end_ns != 0 ? clock_.last_end_ns : start_;
+    try {
+      Timeline& t = Timeline::get();
+      t.span(static_cast<int>(Lane::steps), "synchronize", "step", start_, end);
+      t.span(static_cast<int>(Lane::steps), concat("step ", clock_.steps), "step", begin, end,
+             concat("\"step\":", clock_.steps));
+    } catch (...) {
+    }
+    clock_.last_end_ns = end;
+    ++clock_.steps;
+  }
+
+ private:
+  StepClock& clock_;
+  std::int64_t start_ = 0;
+#if DDP_HAS_CUDA
+  nvtxRangeId_t nvtx_ = 0;
+#endif
+};
+
+}  // namespace detail
+
+/// A span of the program's own on its rank's "steps" track of the timeline (Options::timeline,
+/// $DDP_TIMELINE): `ddp::TimelineSpan span("forward");` from here to the end of the scope
+/// (an NVTX range too, where CUDA is on). Nothing is recorded, and nothing allocated, when the
+/// timeline is off.
+class TimelineSpan {
+ public:
+  /// Starts the span `name`.
+  explicit TimelineSpan(std::string_view name) : scope_(detail::Lane::steps, "span", "user") {
+    if (scope_.on()) scope_.label(std::string(name));
+  }
+  TimelineSpan(const TimelineSpan&) = delete;
+  TimelineSpan& operator=(const TimelineSpan&) = delete;
+  ~TimelineSpan() = default;
+
+ private:
+  detail::TimelineScope scope_;
+};
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/observe/impl/timeline.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/observe/timeline.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE Timeline& Timeline::get() {
+  static Timeline t;
+  return t;
+}
+
+DDP_INLINE void Timeline::open(const std::string& dir, int rank) {
+  std::lock_guard lock(mutex_);
+  if (file_ != nullptr || dir.empty()) return;
+  for (std::size_t at = dir.find('/', 1); at != std::string::npos; at = dir.find('/', at + 1))
+    (void)::mkdir(dir.substr(0, at).c_str(), 0777);
+  (void)::mkdir(dir.c_str(), 0777);
+  // A new file, created exclusively (never through a link, never over another file: a name
+  // taken, by an earlier process of the same pid or a planted link, gets a suffix).
+  std::string path;
+  int fd = -1;
+  for (int n = 0; fd < 0 && n < 100; ++n) {
+    path = concat(dir, "/ddp-timeline-rank", rank, "-", ::getpid(), n == 0 ? "" : concat("-", n),
+                  ".json");
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
+                0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    const int err = errno;
+    fail(Errc::system, "rank ", rank, ": the timeline (DDP_TIMELINE) cannot be written to ", path,
+         ": ", std::strerror(err), "; name a writable directory, or unset DDP_TIMELINE");
+  }
+  file_ = ::fdopen(fd, "w");
+  if (file_ == nullptr) {
+    ::close(fd);
+    fail(Errc::system, "rank ", rank, ": the timeline cannot be written to ", path);
+  }
+  rank_ = rank;
+  owner_ = ::getpid();
+  out_ = concat("{\"displayTimeUnit\":\"ms\",\"otherData\":{\"ddp_rank\":", rank,
+                ",\"ddp_pid\":", ::getpid(), "},\"traceEvents\":[\n",
+                "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"args\":{\"name\":\"rank ", rank, "\"}},\n",
+                "{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"args\":{\"sort_index\":", rank, "}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":0,\"args\":{\"name\":\"steps\"}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":1,\"args\":{\"name\":\"buckets\"}},\n",
+                "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank,
+                ",\"tid\":1000,\"args\":{\"name\":\"background\"}}");
+  on_.store(true, std::memory_order_relaxed);
+}
+
+DDP_INLINE void Timeline::align(std::int64_t offset_ns, std::int64_t zero_ns,
+                                std::string_view run) {
+  std::lock_guard lock(mutex_);
+  if (aligned_ || file_ == nullptr) return;
+  offset_ns_ = offset_ns;
+  zero_ns_ = zero_ns;
+  aligned_ = true;
+  out_ += concat(",\n{\"name\":\"ddp_clock\",\"ph\":\"M\",\"pid\":", rank_,
+                 ",\"args\":{\"offset_ns\":", offset_ns, ",\"run\":", json_quoted(run), "}}");
+  flush_pending_locked();
+  write_locked();
+}
+
+DDP_INLINE int Timeline::lane_of(std::string_view group, std::string_view backend) {
+  std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < lanes_.size(); ++i)
+    if (lanes_[i] == group) return static_cast<int>(Lane::collectives) + static_cast<int>(i);
+  lanes_.emplace_back(group);
+  const int lane = static_cast<int>(Lane::collectives) + static_cast<int>(lanes_.size()) - 1;
+  if (file_ != nullptr)
+    out_ += concat(",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", rank_, ",\"tid\":", lane,
+                   ",\"args\":{\"name\":",
+                   json_quoted(concat("collectives: ", group, " (", backend, ")")), "}}");
+  return lane;
+}
+
+DDP_INLINE void Timeline::span(int lane, std::string_view name, std::string_view cat,
+                               std::int64_t start_ns, std::int64_t end_ns, std::string_view args) {
+  std::lock_guard lock(mutex_);
+  if (file_ == nullptr) return;
+  if (!aligned_) {
+    if (pending_.size() < 100000)
+      pending_.push_back(
+          {lane, std::string(name), std::string(cat), std::string(args), start_ns, end_ns});
+    return;
+  }
+  format_locked(lane, name, cat, start_ns, end_ns, args);
+}
+
+DDP_INLINE void Timeline::format_locked(int lane, std::string_view name, std::string_view cat,
+                                        std::int64_t start_ns, std::int64_t end_ns,
+                                        std::string_view args) {
+  // Appended in place, without temporaries: this runs once per collective.
+  const auto quoted = [this](std::string_view text) {
+    out_ += '"';
+    for (std::size_t i = 0; i < text.size(); ++i) {
+      const auto c = static_cast<unsigned char>(text[i]);
+      if (c == '"' || c == '\\') {
+        out_ += '\\';
+        out_ += static_cast<char>(c);
+      } else if (c < 0x20) {
+        out_ += ' ';
+      } else if (c < 0x80) {
+        out_ += static_cast<char>(c);
+      } else {  // UTF-8 kept whole; any other byte becomes '?', so that the file stays JSON
+        const std::size_t n = c >= 0xc2 && c <= 0xdf   ? 2
+                              : c >= 0xe0 && c <= 0xef ? 3
+                              : c >= 0xf0 && c <= 0xf4 ? 4
+                                                       : 0;
+        bool whole = n != 0 && i + n <= text.size();
+        for (std::size_t k = 1; whole && k < n; ++k)
+          whole = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
+        if (whole) {
+          out_.append(text.substr(i, n));
+          i += n - 1;
+        } else {
+          out_ += '?';
+        }
+      }
+    }
+    out_ += '"';
+  };
+  out_ += ",\n{\"name\":";
+  quoted(name);
+  out_ += ",\"cat\":";
+  quoted(cat);
+  const std::int64_t start = start_ns + offset_ns_ - zero_ns_;
+  const std::int64_t dur = end_ns > start_ns ? end_ns - start_ns : 0;
+  char fixed[160];
+  const int n = std::snprintf(
+      fixed, sizeof fixed,
+      ",\"ph\":\"X\",\"ts\":%s%lld.%03lld,\"dur\":%lld.%03lld,\"pid\":%d,\"tid\":%d",
+      start < 0 ? "-" : "", static_cast<long long>((start < 0 ? -start : start) / 1000),
+      static_cast<long long>((start < 0 ? -start : start) % 1000),
+      static_cast<long long>(dur / 1000), static_cast<long long>(dur % 1000), rank_, lane);
+  out_.append(fixed, static_cast<std::size_t>(std::max(n, 0)));
+  if (!args.empty()) {
+    out_ += ",\"args\":{";
+    out_ += args;
+    out_ += '}';
+  }
+  out_ += '}';
+  // Written every 64 KiB, and at least every second: a process killed loses at most its last
+  // second.
+  if (out_.size() > (std::size_t{1} << 16) || end_ns - last_write_ns_ > 1000000000) write_locked();
+}
+
+DDP_INLINE void Timeline::flush_pending_locked() {
+  for (const Pending& p : pending_)
+    format_locked(p.lane, p.name, p.cat, p.start_ns, p.end_ns, p.args);
+  pending_.clear();
+}
+
+DDP_INLINE void Timeline::write_locked() {
+  if (file_ == nullptr) return;
+  if (owner_ != ::getpid()) {  // a fork() child's copy: the file and what is buffered are the
+    out_.clear();              // parent's
+    return;
+  }
+  // The document is complete after every write: the closing brackets follow the events, and the
+  // next write starts over them.
+  static constexpr std::string_view tail = "\n]}\n";
+  last_write_ns_ = now_ns();
+  out_ += tail;
+  const bool ok = std::fwrite(out_.data(), 1, out_.size(), file_) == out_.size() &&
+                  std::fflush(file_) == 0 &&
+                  std::fseek(file_, -static_cast<long>(tail.size()), SEEK_CUR) == 0;
+  out_.clear();
+  if (!ok) {  // a full disk: the timeline stops, the program goes on
+    std::fprintf(stderr, "[ddp] rank %d: the timeline stopped: %s\n", rank_, std::strerror(errno));
+    std::fclose(file_);
+    file_ = nullptr;
+    on_.store(false, std::memory_order_relaxed);
+  }
+}
+
+DDP_INLINE void Timeline::flush() {
+  std::lock_guard lock(mutex_);
+  write_locked();
+}
+
+DDP_INLINE void Timeline::close() {
+  std::lock_guard lock(mutex_);
+  if (file_ == nullptr) return;
+  if (!aligned_) {  // a rank that never aligned: its own clock
+    aligned_ = true;
+    flush_pending_locked();
+  }
+  write_locked();
+  on_.store(false, std::memory_order_relaxed);
+  if (file_ != nullptr && owner_ == ::getpid()) std::fclose(file_);
+  file_ = nullptr;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/observe/impl/timeline.ipp
+#endif
+// end ddp/observe/timeline.hpp
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
@@ -13163,60 +13720,6 @@ namespace detail {
 /// at once instead of at their timeout), and thrown here otherwise.
 DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
                                   bool needs_store, std::exception_ptr& bad_setting);
-#if DDP_BODIES
-DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
-                                  bool needs_store, std::exception_ptr& bad_setting) {
-  if (env.rejoin && needs_store)
-    fail(Errc::invalid_argument, "rank ", env.rank,
-         ": Communicator::init: the launcher restarted this process to join the running job "
-         "(DDP_REJOIN is set): make its communicator with Communicator::enter (README, \"Fault "
-         "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
-  options = options.with_env(EnvReader(), bad_setting);
-  if (!bad_setting &&
-      (options.heartbeat.count() < 0 ||
-       (options.heartbeat.count() > 0 && options.heartbeat < std::chrono::milliseconds(100)))) {
-    try {
-      fail(Errc::invalid_argument, "rank ", env.rank, ": Options::heartbeat is ",
-           options.heartbeat.count(),
-           " ms; give 0 (no heartbeat) or at least 100 ms (shorter, a process merely waiting for "
-           "a core would count as lost)");
-    } catch (const Error&) {
-      bad_setting = std::current_exception();
-    }
-  }
-  state.configure(options);
-  state.rendezvous_deadline = Deadline::after(options.timeout).at;
-  state.world_rank = env.rank;
-  BackendInit bi;
-  bi.rank = env.rank;
-  bi.size = env.world_size;
-  bi.local_rank = env.local_rank;
-  state.local_rank_hint = env.local_rank;
-  bi.options = options;
-  // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
-  // admit newcomers (grow()).
-  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1" ||
-                      !options.store.empty();
-  if ((env.world_size > 1 || (hosted && (env.master_port != 0 || !options.store.empty()))) &&
-      needs_store) {
-    if (env.master_port == 0 && options.store.empty()) {
-      fail(Errc::invalid_argument, "rank ", env.rank,
-           ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
-           "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
-    }
-    if (env.master_addr.empty() && options.store.empty()) {
-      const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
-      fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
-           " hosts but MASTER_ADDR is not set, and ", env.launcher,
-           " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
-           "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
-    }
-    bi.store = state.connect_store(env);
-  }
-  if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
-  return bi;
-}
-#endif  // DDP_BODIES
 
 /// Where Options::timeline names a directory: starts this process's timeline there (the first
 /// communicator does; later ones add their group's track, named `label`: the group, and for
@@ -13259,16 +13762,6 @@ void start_timeline(State& s, bool at_init, std::string_view label) {
 /// Errc::invalid_argument when the program's units were compiled in both of ddp's modes
 /// (ddp_program_modes, config.hpp): they would run two copies of ddp's state.
 DDP_INLINE void refuse_mixed_modes(int rank, const char* what);
-#if DDP_BODIES
-DDP_INLINE void refuse_mixed_modes(int rank, const char* what) {
-  if ((ddp_program_modes & 3U) != 3U) return;
-  fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-       ": this program's units were compiled in both of ddp's modes, some header-only and some "
-       "with DDP_SEPARATE_COMPILATION (ddp::compiled), so two copies of ddp's state would run "
-       "side by side; compile every unit of the program in one mode (link ddp::compiled, or "
-       "define DDP_SEPARATE_COMPILATION, in all of them or in none)");
-}
-#endif  // DDP_BODIES
 
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
@@ -13301,13 +13794,6 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
 /// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
 /// its place in `parent`'s job.
 DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options);
-#if DDP_BODIES
-DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
-  sub.configure(options);
-  sub.world_rank = parent.world_rank;
-  sub.local_rank_hint = parent.local_rank_hint;
-}
-#endif  // DDP_BODIES
 
 /// split() on a backend that does not split itself: the group of `color` among every rank's
 /// (color, key) `all`, ordered by (key, rank); `sub` configured with `options`, with a store
@@ -13315,55 +13801,10 @@ DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const 
 DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
                                    const std::vector<std::pair<int, int>>& all, int color, int rank,
                                    std::uint64_t n, const Options& options);
-#if DDP_BODIES
-DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
-                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
-                                   std::uint64_t n, const Options& options) {
-  std::vector<std::pair<int, int>> members;  // (key, old rank)
-  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    if (all[static_cast<std::size_t>(r)].first == color)
-      members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
-  }
-  std::sort(members.begin(), members.end());
-  inherit_settings(sub, parent, options);
-  sub.root_store = parent.root_store;
-  sub.server = parent.server;
-  sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
-  sub.base_prefix = sub.prefix;
-  sub.job_prefix = parent.job_prefix;
-  BackendInit bi;
-  bi.size = static_cast<int>(members.size());
-  for (int i = 0; i < bi.size; ++i) {
-    const int old = members[static_cast<std::size_t>(i)].second;
-    if (old == rank) bi.rank = i;
-    if (static_cast<std::size_t>(old) < parent.world_ranks.size())
-      sub.world_ranks.push_back(parent.world_ranks[static_cast<std::size_t>(old)]);
-  }
-  bi.options = options;
-  bi.local_rank = parent.local_rank_hint;
-  if (parent.root_store) {
-    bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));
-    sub.store = bi.store;
-    sub.world_size = bi.size;
-    sub.joined = true;
-  }
-  return bi;
-}
-#endif  // DDP_BODIES
 
 /// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, enter),
 /// for the refusal.
 DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what);
-#if DDP_BODIES
-DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what) {
-  if (backend == "mpi")
-    return what == "shrink"
-               ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
-                 "Open MPI 5 built with it)"
-               : "MPI cannot add processes to a running job's communicator that way";
-  return "this backend has no rendezvous store to agree on a new membership in";
-}
-#endif  // DDP_BODIES
 
 /// Errc::unsupported for `what` (shrink, grow, enter) on a backend without a rendezvous store.
 template <class Backend>
@@ -13667,6 +14108,134 @@ std::shared_ptr<State> enter_state(const Environment& env, Options options, cons
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/comm/impl/init.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/init.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
+                                  bool needs_store, std::exception_ptr& bad_setting) {
+  if (env.rejoin && needs_store)
+    fail(Errc::invalid_argument, "rank ", env.rank,
+         ": Communicator::init: the launcher restarted this process to join the running job "
+         "(DDP_REJOIN is set): make its communicator with Communicator::enter (README, \"Fault "
+         "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
+  options = options.with_env(EnvReader(), bad_setting);
+  if (!bad_setting &&
+      (options.heartbeat.count() < 0 ||
+       (options.heartbeat.count() > 0 && options.heartbeat < std::chrono::milliseconds(100)))) {
+    try {
+      fail(Errc::invalid_argument, "rank ", env.rank, ": Options::heartbeat is ",
+           options.heartbeat.count(),
+           " ms; give 0 (no heartbeat) or at least 100 ms (shorter, a process merely waiting for "
+           "a core would count as lost)");
+    } catch (const Error&) {
+      bad_setting = std::current_exception();
+    }
+  }
+  state.configure(options);
+  state.rendezvous_deadline = Deadline::after(options.timeout).at;
+  state.world_rank = env.rank;
+  BackendInit bi;
+  bi.rank = env.rank;
+  bi.size = env.world_size;
+  bi.local_rank = env.local_rank;
+  state.local_rank_hint = env.local_rank;
+  bi.options = options;
+  // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
+  // admit newcomers (grow()).
+  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1" ||
+                      !options.store.empty();
+  if ((env.world_size > 1 || (hosted && (env.master_port != 0 || !options.store.empty()))) &&
+      needs_store) {
+    if (env.master_port == 0 && options.store.empty()) {
+      fail(Errc::invalid_argument, "rank ", env.rank,
+           ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
+           "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
+    }
+    if (env.master_addr.empty() && options.store.empty()) {
+      const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
+      fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
+           " hosts but MASTER_ADDR is not set, and ", env.launcher,
+           " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
+           "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
+    }
+    bi.store = state.connect_store(env);
+  }
+  if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
+  return bi;
+}
+
+DDP_INLINE void refuse_mixed_modes(int rank, const char* what) {
+  if ((ddp_program_modes & 3U) != 3U) return;
+  fail(Errc::invalid_argument, "rank ", rank, ": ", what,
+       ": this program's units were compiled in both of ddp's modes, some header-only and some "
+       "with DDP_SEPARATE_COMPILATION (ddp::compiled), so two copies of ddp's state would run "
+       "side by side; compile every unit of the program in one mode (link ddp::compiled, or "
+       "define DDP_SEPARATE_COMPILATION, in all of them or in none)");
+}
+
+DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
+  sub.configure(options);
+  sub.world_rank = parent.world_rank;
+  sub.local_rank_hint = parent.local_rank_hint;
+}
+
+DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
+                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
+                                   std::uint64_t n, const Options& options) {
+  std::vector<std::pair<int, int>> members;  // (key, old rank)
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[static_cast<std::size_t>(r)].first == color)
+      members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
+  }
+  std::sort(members.begin(), members.end());
+  inherit_settings(sub, parent, options);
+  sub.root_store = parent.root_store;
+  sub.server = parent.server;
+  sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
+  sub.base_prefix = sub.prefix;
+  sub.job_prefix = parent.job_prefix;
+  BackendInit bi;
+  bi.size = static_cast<int>(members.size());
+  for (int i = 0; i < bi.size; ++i) {
+    const int old = members[static_cast<std::size_t>(i)].second;
+    if (old == rank) bi.rank = i;
+    if (static_cast<std::size_t>(old) < parent.world_ranks.size())
+      sub.world_ranks.push_back(parent.world_ranks[static_cast<std::size_t>(old)]);
+  }
+  bi.options = options;
+  bi.local_rank = parent.local_rank_hint;
+  if (parent.root_store) {
+    bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));
+    sub.store = bi.store;
+    sub.world_size = bi.size;
+    sub.joined = true;
+  }
+  return bi;
+}
+
+DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what) {
+  if (backend == "mpi")
+    return what == "shrink"
+               ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
+                 "Open MPI 5 built with it)"
+               : "MPI cannot add processes to a running job's communicator that way";
+  return "this backend has no rendezvous store to agree on a new membership in";
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/impl/init.ipp
+#endif
 // end ddp/comm/init.hpp
 // begin ddp/comm/runner.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -13686,10 +14255,10 @@ DDP_END_NAMESPACE
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 // #include "ddp/comm/call.hpp" (already included above)
-// #include "ddp/comm/recorder.hpp" (already included above)
 // #include "ddp/comm/state.hpp" (already included above)
-// #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/observe/recorder.hpp" (already included above)
+// #include "ddp/observe/timeline.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
@@ -14004,15 +14573,6 @@ class Encoder {
   std::string& out_;
 };
 
-#if DDP_BODIES
-DDP_INLINE Encoder::Encoder(std::string& out) : out_(out) {}
-
-DDP_INLINE void Encoder::count(std::size_t n) {
-  const auto v = static_cast<std::uint64_t>(n);
-  bytes(&v, sizeof v);
-}
-#endif  // DDP_BODIES
-
 /// Reads values back from `n` bytes, checking every length against the input left.
 class Decoder {
  public:
@@ -14042,32 +14602,6 @@ class Decoder {
   std::size_t left_;
   int depth_ = 0;
 };
-
-#if DDP_BODIES
-DDP_INLINE Decoder::Decoder(const void* data, std::size_t n)
-    : p_(static_cast<const std::byte*>(data)), left_(n) {}
-
-DDP_INLINE void Decoder::bytes(void* out, std::size_t n) {
-  if (n > left_) {
-    detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
-                 " more bytes, has ", left_, ")");
-  }
-  if (n != 0) std::memcpy(out, p_, n);
-  p_ += n;
-  left_ -= n;
-}
-
-DDP_INLINE std::size_t Decoder::count(std::size_t min_bytes) {
-  std::uint64_t n = 0;
-  bytes(&n, sizeof n);
-  if (min_bytes == 0) min_bytes = 1;
-  if (n > left_ / min_bytes) {
-    detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
-                 left_, " bytes left (malformed or hostile input)");
-  }
-  return static_cast<std::size_t>(n);
-}
-#endif  // DDP_BODIES
 
 namespace detail {
 template <class T>
@@ -14245,6 +14779,52 @@ T decode_object(const void* data, std::size_t n) {
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/impl/codec.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/codec.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE Encoder::Encoder(std::string& out) : out_(out) {}
+
+DDP_INLINE void Encoder::count(std::size_t n) {
+  const auto v = static_cast<std::uint64_t>(n);
+  bytes(&v, sizeof v);
+}
+
+DDP_INLINE Decoder::Decoder(const void* data, std::size_t n)
+    : p_(static_cast<const std::byte*>(data)), left_(n) {}
+
+DDP_INLINE void Decoder::bytes(void* out, std::size_t n) {
+  if (n > left_) {
+    detail::fail(Errc::invalid_argument, "object decode: input truncated (needs ", n,
+                 " more bytes, has ", left_, ")");
+  }
+  if (n != 0) std::memcpy(out, p_, n);
+  p_ += n;
+  left_ -= n;
+}
+
+DDP_INLINE std::size_t Decoder::count(std::size_t min_bytes) {
+  std::uint64_t n = 0;
+  bytes(&n, sizeof n);
+  if (min_bytes == 0) min_bytes = 1;
+  if (n > left_ / min_bytes) {
+    detail::fail(Errc::invalid_argument, "object decode: a count of ", n, " cannot fit in the ",
+                 left_, " bytes left (malformed or hostile input)");
+  }
+  return static_cast<std::size_t>(n);
+}
+
+DDP_END_NAMESPACE
+// end ddp/impl/codec.ipp
+#endif
 // end ddp/codec.hpp
 // #include "ddp/comm/call.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
@@ -14269,14 +14849,6 @@ namespace detail {
 inline constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
 
 DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from);
-#if DDP_BODIES
-DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from) {
-  if (n < 0 || n > max_object_bytes) {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
-         "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
-  }
-}
-#endif  // DDP_BODIES
 
 /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
 /// them instead, copied back afterwards. For small host data (object collectives, *_host).
@@ -14441,13 +15013,37 @@ template <Encodable T, class Comm>
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/comm/impl/objects.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/comm/objects.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from) {
+  if (n < 0 || n > max_object_bytes) {
+    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
+         "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/comm/impl/objects.ipp
+#endif
 // end ddp/comm/objects.hpp
-// #include "ddp/comm/recorder.hpp" (already included above)
 // #include "ddp/comm/state.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/membership/rendezvous.hpp" (already included above)
+// #include "ddp/observe/recorder.hpp" (already included above)
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/process_group.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
@@ -14849,8 +15445,11 @@ class Communicator {
   [[nodiscard]] static Communicator enter(const Environment& env = Environment::detect(),
                                           const Options& options = {}, const EnterOptions& e = {});
   /// enter()'s older name.
-  [[nodiscard]] static Communicator join(const Environment& env = Environment::detect(),
-                                         const Options& options = {}, const EnterOptions& e = {}) {
+  [[deprecated(
+      "renamed Communicator::enter (ddp::Join is uneven "
+      "inputs)")]] [[nodiscard]] static Communicator
+  join(const Environment& env = Environment::detect(), const Options& options = {},
+       const EnterOptions& e = {}) {
     return enter(env, options, e);
   }
   /// How many processes wait to enter (one store read; not collective: for an agreed decision
@@ -15356,7 +15955,46 @@ class Transport {
   std::atomic<int> local_abort_code_{0};
 };
 
+/// The transport of a world of one: every round returns the rank's own offer.
+class SelfTransport final : public Transport {
+ public:
+  explicit SelfTransport(std::chrono::milliseconds timeout);
+  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
+  [[nodiscard]] DDP_INLINE std::size_t max_offer() const noexcept override;
+  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
+
+  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
+                                                     const Fingerprint*) override;
+  void send(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
+  }
+  void recv(const Buf&, int, int, std::uint64_t) override {
+    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
+  }
+  void abort(Errc, const std::string&) override {}
+
+  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
+  static const std::byte* locate(std::span<const Piece> offer, Range r);
+
+ private:
+  const std::byte* ptr_ = nullptr;
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/transport.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/transport.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE Transport::Transport(int rank, int size, std::chrono::milliseconds timeout)
     : rank_(rank), size_(size), timeout_(timeout) {}
 
@@ -15457,34 +16095,7 @@ DDP_INLINE void Transport::check_local_abort(const Fingerprint* fp) const {
          ": the communicator was aborted on this rank; create a new communicator to continue");
   }
 }
-#endif  // DDP_BODIES
 
-/// The transport of a world of one: every round returns the rank's own offer.
-class SelfTransport final : public Transport {
- public:
-  explicit SelfTransport(std::chrono::milliseconds timeout);
-  [[nodiscard]] std::string_view name() const noexcept override { return "self"; }
-  [[nodiscard]] DDP_INLINE std::size_t max_offer() const noexcept override;
-  [[nodiscard]] DDP_INLINE std::size_t small_bytes() const noexcept override;
-
-  DDP_INLINE std::span<const std::byte* const> round(std::span<const Piece> offer, Want want,
-                                                     const Fingerprint*) override;
-  void send(const Buf&, int, int, std::uint64_t) override {
-    fail(Errc::invalid_argument, "rank 0: send: a world of one has no peer to send to");
-  }
-  void recv(const Buf&, int, int, std::uint64_t) override {
-    fail(Errc::invalid_argument, "rank 0: recv: a world of one has no peer to receive from");
-  }
-  void abort(Errc, const std::string&) override {}
-
-  /// Where byte `r.off` of the concatenated pieces lives (the range must lie in one piece).
-  static const std::byte* locate(std::span<const Piece> offer, Range r);
-
- private:
-  const std::byte* ptr_ = nullptr;
-};
-
-#if DDP_BODIES
 DDP_INLINE SelfTransport::SelfTransport(std::chrono::milliseconds timeout)
     : Transport(0, 1, timeout) {}
 
@@ -15507,10 +16118,11 @@ DDP_INLINE const std::byte* SelfTransport::locate(std::span<const Piece> offer, 
   }
   fail(Errc::invalid_argument, "internal error: a wanted range crosses offer pieces");
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/transport.ipp
+#endif
 // end ddp/backend/host/transport.hpp
 // #include "ddp/config.hpp" (already included above)
 
@@ -15536,29 +16148,10 @@ struct RoundScratch {
   static std::byte* at_least(std::vector<std::byte>& v, std::size_t n);
 };
 
-#if DDP_BODIES
-DDP_INLINE std::byte* RoundScratch::at_least(std::vector<std::byte>& v, std::size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-#endif  // DDP_BODIES
-
 /// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
 /// parts (the last takes the remainder; parts may be empty).
 [[nodiscard]] DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
                                                                          int j, std::size_t elem);
-#if DDP_BODIES
-DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts, int j,
-                                                           std::size_t elem) {
-  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
-  const auto bound = [&](int k) -> std::size_t {
-    if (k >= parts) return m;
-    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
-    return b / align * align;
-  };
-  return {bound(j), bound(j + 1)};
-}
-#endif  // DDP_BODIES
 
 /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
 /// that an empty collective still synchronizes and checks fingerprints.
@@ -15575,38 +16168,16 @@ void for_each_segment(std::size_t n, std::size_t seg, F&& f) {
 }
 
 DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n);
-#if DDP_BODIES
-DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
-  if (n != 0 && dst != src) std::memcpy(dst, src, n);
-}
-#endif  // DDP_BODIES
 
 /// Elements per segment of the large-message paths: a slot's worth (at least one per rank).
 [[nodiscard]] DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es);
-#if DDP_BODIES
-DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es) {
-  return std::max<std::size_t>(static_cast<std::size_t>(t.size()), t.max_offer() / es);
-}
-#endif  // DDP_BODIES
 
 /// Chunk j of a segment of m elements split among p ranks, in bytes from the segment's start.
 [[nodiscard]] DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es);
-#if DDP_BODIES
-DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es) {
-  const auto [lo, hi] = split_range(m, p, j, es);
-  return Range{lo * es, (hi - lo) * es};
-}
-#endif  // DDP_BODIES
 
 /// A round in which no rank offers anything: every rank has reached it (and, with `fp`, called
 /// the same collective).
 DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp);
-#if DDP_BODIES
-DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp) {
-  (void)t.round(
-      {}, [](int, int) { return Range{}; }, fp);
-}
-#endif  // DDP_BODIES
 
 /// `in` holds one block of n elements per rank; in segments, rank j receives segment part of
 /// block j from every rank, and use(start, count, ptrs) consumes it (ptrs[r]: rank r's part).
@@ -15631,6 +16202,57 @@ void exchange_blocks(Transport& t, RoundScratch& s, const Buf& in, std::size_t n
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/backend/host/impl/rounds.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/rounds.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::byte* RoundScratch::at_least(std::vector<std::byte>& v, std::size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts, int j,
+                                                           std::size_t elem) {
+  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
+  const auto bound = [&](int k) -> std::size_t {
+    if (k >= parts) return m;
+    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
+    return b / align * align;
+  };
+  return {bound(j), bound(j + 1)};
+}
+
+DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
+  if (n != 0 && dst != src) std::memcpy(dst, src, n);
+}
+
+DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es) {
+  return std::max<std::size_t>(static_cast<std::size_t>(t.size()), t.max_offer() / es);
+}
+
+DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es) {
+  const auto [lo, hi] = split_range(m, p, j, es);
+  return Range{lo * es, (hi - lo) * es};
+}
+
+DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp) {
+  (void)t.round(
+      {}, [](int, int) { return Range{}; }, fp);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/impl/rounds.ipp
+#endif
 // end ddp/backend/host/rounds.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
 // #include "ddp/backend/reduce.hpp" (already included above)
@@ -15652,105 +16274,17 @@ namespace detail {
 /// the root of a reduce leave their buffers untouched.
 DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
                                 const Fingerprint* fp);
-#if DDP_BODIES
-DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
-                                const Fingerprint* fp) {
-  const std::size_t es = b.elem();
-  const int p = t.size(), me = t.rank();
-  const bool keeps = root < 0 || me == root;
-  const std::size_t seg = segment_elements(t, es);
-  bool first = true;
-  for (std::size_t s0 = 0; s0 < b.count;) {
-    const std::size_t m = std::min(seg, b.count - s0);
-    std::byte* base = b.at(s0);
-    const auto chunk = [&](int j) { return chunk_bytes(m, p, j, es); };
-    const Piece pc{base, m * es};
-    auto ptrs = t.round(
-        {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? fp : nullptr);
-    first = false;
-    const Range mine = chunk(me);
-    std::byte* staged = t.stage(mine.len);
-    std::byte* out = base + mine.off;
-    if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
-      out = staged != nullptr ? staged : RoundScratch::at_least(s.bytes, mine.len);
-      staged = nullptr;
-    }
-    fn(out, staged, ptrs.data(), p, mine.len / es);
-    const Piece result{staged != nullptr ? staged : out, mine.len};
-    auto got = t.round(
-        {&result, 1},
-        [&](int src, int dst) {
-          return root < 0 || dst == root ? Range{0, chunk(src).len} : Range{};
-        },
-        nullptr);
-    if (keeps) {
-      for (int j = 0; j < p; ++j) {
-        const Range r = chunk(j);
-        if (j != me && r.len != 0)
-          std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
-      }
-    }
-    s0 += m;
-  }
-}
-#endif  // DDP_BODIES
 
 /// all_reduce of a buffer of at most t.small_bytes(): one round gathers every rank's whole
 /// buffer and every rank reduces all of them.
 DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp);
-#if DDP_BODIES
-DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
-  const Piece pc{b.data, b.bytes()};
-  auto ptrs = t.round(
-      {&pc, 1},
-      [&](int, int) {
-        return Range{0, b.bytes()};
-      },
-      fp);
-  fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
-}
-#endif  // DDP_BODIES
 
 /// reduce over `t`: the reduction lands in the buffer of t's rank `root` only.
 DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
                           const Fingerprint* fp);
-#if DDP_BODIES
-DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
-                          const Fingerprint* fp) {
-  if (b.bytes() <= t.small_bytes()) {
-    const Piece pc{b.data, b.bytes()};
-    auto ptrs = t.round(
-        {&pc, 1},
-        [&](int, int dst) {
-          return dst == root ? Range{0, b.bytes()} : Range{};
-        },
-        fp);
-    if (t.rank() == root) fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
-    return;
-  }
-  reduce_segments(t, s, b, fn, root, fp);
-}
-#endif  // DDP_BODIES
 
 /// broadcast over `t` from t's rank `root`.
 DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp);
-#if DDP_BODIES
-DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp) {
-  const std::size_t es = b.elem();
-  const bool is_root = t.rank() == root;
-  const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
-  for_each_segment(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
-    const Piece pc{b.at(s0), is_root ? m * es : 0};
-    auto ptrs = t.round(
-        {&pc, 1},
-        [&](int src, int dst) {
-          return src == root && dst != root ? Range{0, m * es} : Range{};
-        },
-        first ? fp : nullptr);
-    if (!is_root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
-  });
-}
-#endif  // DDP_BODIES
 
 /// all_reduce of float32 values that travel and are reduced as `k`'s wire type (float16 or
 /// bfloat16): each rank rounds its values to the wire type as it offers them (into the
@@ -15760,141 +16294,23 @@ DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerp
 /// the passes over memory of a plain all_reduce, with half its bytes moved.
 DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
                                  std::size_t ws, const Fingerprint& fp);
-#if DDP_BODIES
-DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
-                                 std::size_t ws, const Fingerprint& fp) {
-  const int p = t.size(), me = t.rank();
-  // Memory for this rank's encoded offer: the next round's slot where the transport has one.
-  const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
-    std::byte* at = t.stage(bytes);
-    return at != nullptr ? at : RoundScratch::at_least(own, bytes);
-  };
-  if (b.count * ws <= t.small_bytes()) {  // one round; every rank reduces everything
-    std::byte* enc = encoded(b.count * ws, s.bytes);
-    k.encode(enc, b.data, b.count);
-    const Piece pc{enc, b.count * ws};
-    auto ptrs = t.round(
-        {&pc, 1},
-        [&](int, int) {
-          return Range{0, b.count * ws};
-        },
-        &fp);
-    k.reduce(b.data, nullptr, ptrs.data(), p, b.count);
-    return;
-  }
-  const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / ws);
-  bool first = true;
-  for (std::size_t s0 = 0; s0 < b.count;) {
-    const std::size_t m = std::min(seg, b.count - s0);
-    const auto chunk = [&](int j) {  // in elements
-      const auto [lo, hi] = split_range(m, p, j, ws);
-      return Range{lo, hi - lo};
-    };
-    std::byte* enc = encoded(m * ws, s.bytes);
-    k.encode(enc, b.at(s0), m);
-    const Piece pc{enc, m * ws};
-    auto ptrs = t.round(
-        {&pc, 1},
-        [&](int, int dst) {
-          const Range c = chunk(dst);
-          return Range{c.off * ws, c.len * ws};
-        },
-        first ? &fp : nullptr);
-    first = false;
-    const Range mine = chunk(me);
-    std::byte* result = encoded(mine.len * ws, s.wire);
-    k.reduce(b.at(s0 + mine.off), result, ptrs.data(), p, mine.len);
-    const Piece out{result, mine.len * ws};
-    auto got = t.round(
-        {&out, 1},
-        [&](int src, int) {
-          return Range{0, chunk(src).len * ws};
-        },
-        nullptr);
-    for (int j = 0; j < p; ++j) {
-      const Range c = chunk(j);
-      if (j != me && c.len != 0)
-        k.decode(b.at(s0 + c.off), got[static_cast<std::size_t>(j)], c.len);
-    }
-    s0 += m;
-  }
-}
-#endif  // DDP_BODIES
 
 /// scatter over `t`: block r of root's `in` into rank r's `out`.
 DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
                            const Fingerprint& fp);
-#if DDP_BODIES
-DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
-                           const Fingerprint& fp) {
-  const std::size_t es = out.elem(), n = out.count;
-  const auto p = static_cast<std::size_t>(t.size());
-  const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / (es * p));
-  for_each_segment(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-    s.pieces.clear();
-    if (t.rank() == root) {
-      for (std::size_t j = 0; j < p; ++j) s.pieces.push_back({in.at(j * n + s0), m * es});
-    }
-    auto ptrs = t.round(
-        s.pieces,
-        [&](int src, int dst) {
-          return src == root ? Range{static_cast<std::size_t>(dst) * m * es, m * es} : Range{};
-        },
-        first ? &fp : nullptr);
-    copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
-  });
-}
-#endif  // DDP_BODIES
 
 /// reduce_scatter over `t`: block r of the reduction of every rank's `in` into rank r's `out`.
 DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
                                   ReduceFn fn, const Fingerprint& fp);
-#if DDP_BODIES
-DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                                  ReduceFn fn, const Fingerprint& fp) {
-  exchange_blocks(t, s, in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
-    fn(out.at(s0), nullptr, ptrs.data(), t.size(), m);
-  });
-}
-#endif  // DDP_BODIES
 
 /// all_to_all over `t`: block j of `in` to rank j, stored as its block r of `out`.
 DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
                               const Fingerprint& fp);
-#if DDP_BODIES
-DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                              const Fingerprint& fp) {
-  const std::size_t n = in.count / static_cast<std::size_t>(t.size());
-  exchange_blocks(t, s, in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
-    for (std::size_t j = 0; j < static_cast<std::size_t>(t.size()); ++j)
-      copy_if_distinct(out.at(j * n + s0), ptrs[j], m * in.elem());
-  });
-}
-#endif  // DDP_BODIES
 
 /// all_gather (root < 0) or gather to t's rank `root` over `t`: every rank's `in`, in rank
 /// order, into `out`.
 DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
                           const Fingerprint& fp);
-#if DDP_BODIES
-DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
-                          const Fingerprint& fp) {
-  const std::size_t es = in.elem(), n = in.count;
-  const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
-  for_each_segment(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
-    const Piece pc{in.at(s0), m * es};
-    auto ptrs = t.round(
-        {&pc, 1},
-        [&](int, int dst) {
-          return root < 0 || dst == root ? Range{0, m * es} : Range{};
-        },
-        first ? &fp : nullptr);
-    if (root >= 0 && t.rank() != root) return;
-    for (std::size_t j = 0; j < static_cast<std::size_t>(t.size()); ++j)
-      copy_if_distinct(out.at(j * n + s0), ptrs[j], m * es);
-  });
-}
-#endif  // DDP_BODIES
 
 /// Rank j of `t` ends with the reduction, over t's ranks in their order, of part(j) of every
 /// rank's `b` (a Range in elements), in place in its own `b`; the rest of `b` is only read.
@@ -15957,6 +16373,220 @@ void all_gather_parts(Transport& t, const Buf& b, const Part& part) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/backend/host/impl/flat.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/flat.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void reduce_segments(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                                const Fingerprint* fp) {
+  const std::size_t es = b.elem();
+  const int p = t.size(), me = t.rank();
+  const bool keeps = root < 0 || me == root;
+  const std::size_t seg = segment_elements(t, es);
+  bool first = true;
+  for (std::size_t s0 = 0; s0 < b.count;) {
+    const std::size_t m = std::min(seg, b.count - s0);
+    std::byte* base = b.at(s0);
+    const auto chunk = [&](int j) { return chunk_bytes(m, p, j, es); };
+    const Piece pc{base, m * es};
+    auto ptrs = t.round(
+        {&pc, 1}, [&](int, int dst) { return chunk(dst); }, first ? fp : nullptr);
+    first = false;
+    const Range mine = chunk(me);
+    std::byte* staged = t.stage(mine.len);
+    std::byte* out = base + mine.off;
+    if (!keeps) {  // reduce only into the slot (or scratch): this rank's buffer stays as it was
+      out = staged != nullptr ? staged : RoundScratch::at_least(s.bytes, mine.len);
+      staged = nullptr;
+    }
+    fn(out, staged, ptrs.data(), p, mine.len / es);
+    const Piece result{staged != nullptr ? staged : out, mine.len};
+    auto got = t.round(
+        {&result, 1},
+        [&](int src, int dst) {
+          return root < 0 || dst == root ? Range{0, chunk(src).len} : Range{};
+        },
+        nullptr);
+    if (keeps) {
+      for (int j = 0; j < p; ++j) {
+        const Range r = chunk(j);
+        if (j != me && r.len != 0)
+          std::memcpy(base + r.off, got[static_cast<std::size_t>(j)], r.len);
+      }
+    }
+    s0 += m;
+  }
+}
+
+DDP_INLINE void all_reduce_small(Transport& t, const Buf& b, ReduceFn fn, const Fingerprint* fp) {
+  const Piece pc{b.data, b.bytes()};
+  auto ptrs = t.round(
+      {&pc, 1},
+      [&](int, int) {
+        return Range{0, b.bytes()};
+      },
+      fp);
+  fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
+}
+
+DDP_INLINE void reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn, int root,
+                          const Fingerprint* fp) {
+  if (b.bytes() <= t.small_bytes()) {
+    const Piece pc{b.data, b.bytes()};
+    auto ptrs = t.round(
+        {&pc, 1},
+        [&](int, int dst) {
+          return dst == root ? Range{0, b.bytes()} : Range{};
+        },
+        fp);
+    if (t.rank() == root) fn(b.data, nullptr, ptrs.data(), t.size(), b.count);
+    return;
+  }
+  reduce_segments(t, s, b, fn, root, fp);
+}
+
+DDP_INLINE void broadcast_on(Transport& t, const Buf& b, int root, const Fingerprint* fp) {
+  const std::size_t es = b.elem();
+  const bool is_root = t.rank() == root;
+  const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
+  for_each_segment(b.count, seg, [&](std::size_t s0, std::size_t m, bool first) {
+    const Piece pc{b.at(s0), is_root ? m * es : 0};
+    auto ptrs = t.round(
+        {&pc, 1},
+        [&](int src, int dst) {
+          return src == root && dst != root ? Range{0, m * es} : Range{};
+        },
+        first ? fp : nullptr);
+    if (!is_root && m != 0) std::memcpy(b.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+  });
+}
+
+DDP_INLINE void all_reduce_as_on(Transport& t, RoundScratch& s, const Buf& b, const WireKernels& k,
+                                 std::size_t ws, const Fingerprint& fp) {
+  const int p = t.size(), me = t.rank();
+  // Memory for this rank's encoded offer: the next round's slot where the transport has one.
+  const auto encoded = [&](std::size_t bytes, std::vector<std::byte>& own) {
+    std::byte* at = t.stage(bytes);
+    return at != nullptr ? at : RoundScratch::at_least(own, bytes);
+  };
+  if (b.count * ws <= t.small_bytes()) {  // one round; every rank reduces everything
+    std::byte* enc = encoded(b.count * ws, s.bytes);
+    k.encode(enc, b.data, b.count);
+    const Piece pc{enc, b.count * ws};
+    auto ptrs = t.round(
+        {&pc, 1},
+        [&](int, int) {
+          return Range{0, b.count * ws};
+        },
+        &fp);
+    k.reduce(b.data, nullptr, ptrs.data(), p, b.count);
+    return;
+  }
+  const std::size_t seg = std::max<std::size_t>(static_cast<std::size_t>(p), t.max_offer() / ws);
+  bool first = true;
+  for (std::size_t s0 = 0; s0 < b.count;) {
+    const std::size_t m = std::min(seg, b.count - s0);
+    const auto chunk = [&](int j) {  // in elements
+      const auto [lo, hi] = split_range(m, p, j, ws);
+      return Range{lo, hi - lo};
+    };
+    std::byte* enc = encoded(m * ws, s.bytes);
+    k.encode(enc, b.at(s0), m);
+    const Piece pc{enc, m * ws};
+    auto ptrs = t.round(
+        {&pc, 1},
+        [&](int, int dst) {
+          const Range c = chunk(dst);
+          return Range{c.off * ws, c.len * ws};
+        },
+        first ? &fp : nullptr);
+    first = false;
+    const Range mine = chunk(me);
+    std::byte* result = encoded(mine.len * ws, s.wire);
+    k.reduce(b.at(s0 + mine.off), result, ptrs.data(), p, mine.len);
+    const Piece out{result, mine.len * ws};
+    auto got = t.round(
+        {&out, 1},
+        [&](int src, int) {
+          return Range{0, chunk(src).len * ws};
+        },
+        nullptr);
+    for (int j = 0; j < p; ++j) {
+      const Range c = chunk(j);
+      if (j != me && c.len != 0)
+        k.decode(b.at(s0 + c.off), got[static_cast<std::size_t>(j)], c.len);
+    }
+    s0 += m;
+  }
+}
+
+DDP_INLINE void scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out, int root,
+                           const Fingerprint& fp) {
+  const std::size_t es = out.elem(), n = out.count;
+  const auto p = static_cast<std::size_t>(t.size());
+  const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / (es * p));
+  for_each_segment(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+    s.pieces.clear();
+    if (t.rank() == root) {
+      for (std::size_t j = 0; j < p; ++j) s.pieces.push_back({in.at(j * n + s0), m * es});
+    }
+    auto ptrs = t.round(
+        s.pieces,
+        [&](int src, int dst) {
+          return src == root ? Range{static_cast<std::size_t>(dst) * m * es, m * es} : Range{};
+        },
+        first ? &fp : nullptr);
+    copy_if_distinct(out.at(s0), ptrs[static_cast<std::size_t>(root)], m * es);
+  });
+}
+
+DDP_INLINE void reduce_scatter_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                                  ReduceFn fn, const Fingerprint& fp) {
+  exchange_blocks(t, s, in, out.count, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
+    fn(out.at(s0), nullptr, ptrs.data(), t.size(), m);
+  });
+}
+
+DDP_INLINE void all_to_all_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                              const Fingerprint& fp) {
+  const std::size_t n = in.count / static_cast<std::size_t>(t.size());
+  exchange_blocks(t, s, in, n, fp, [&](std::size_t s0, std::size_t m, auto ptrs) {
+    for (std::size_t j = 0; j < static_cast<std::size_t>(t.size()); ++j)
+      copy_if_distinct(out.at(j * n + s0), ptrs[j], m * in.elem());
+  });
+}
+
+DDP_INLINE void gather_on(Transport& t, const Buf& in, const Buf& out, int root,
+                          const Fingerprint& fp) {
+  const std::size_t es = in.elem(), n = in.count;
+  const std::size_t seg = std::max<std::size_t>(1, t.max_offer() / es);
+  for_each_segment(n, seg, [&](std::size_t s0, std::size_t m, bool first) {
+    const Piece pc{in.at(s0), m * es};
+    auto ptrs = t.round(
+        {&pc, 1},
+        [&](int, int dst) {
+          return root < 0 || dst == root ? Range{0, m * es} : Range{};
+        },
+        first ? &fp : nullptr);
+    if (root >= 0 && t.rank() != root) return;
+    for (std::size_t j = 0; j < static_cast<std::size_t>(t.size()); ++j)
+      copy_if_distinct(out.at(j * n + s0), ptrs[j], m * es);
+  });
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/backend/host/impl/flat.ipp
+#endif
 // end ddp/backend/host/flat.hpp
 // #include "ddp/backend/host/rounds.hpp" (already included above)
 // begin ddp/backend/host/single_copy.hpp
@@ -16013,26 +16643,6 @@ class PathChooser {
   std::array<Class, 64> classes_{};
 };
 
-#if DDP_BODIES
-DDP_INLINE bool PathChooser::single(std::size_t bytes) {
-  Class& c = at(bytes);
-  ++c.calls;
-  if (c.runs[0] < tries || c.runs[1] < tries) return c.runs[1] < c.runs[0];
-  const bool faster = c.seconds[1] < c.seconds[0];
-  return c.calls % retry_every == 0 ? !faster : faster;
-}
-
-DDP_INLINE void PathChooser::record(std::size_t bytes, bool single, double seconds) {
-  Class& c = at(bytes);
-  double& avg = c.seconds[single ? 1 : 0];
-  avg = c.runs[single ? 1 : 0]++ == 0 ? seconds : (avg + seconds) / 2;
-}
-
-DDP_INLINE auto PathChooser::at(std::size_t bytes) -> Class& {
-  return classes_[static_cast<std::size_t>(std::bit_width(bytes | 1)) - 1];
-}
-#endif  // DDP_BODIES
-
 /// The single-copy all_reduce's state: whether rank 0 times the two paths, and what it learnt.
 class SingleCopy {
  public:
@@ -16059,7 +16669,45 @@ class SingleCopy {
   PathChooser chooser_;
 };
 
+/// all_reduce over transport `t` (the whole communicator, or one of the hierarchical path's
+/// groups): one round that gathers whole buffers when small, single copy where the transport
+/// offers it for this size (`single`, when not null), else reduce_segments.
+DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
+                              const Fingerprint* fp, SingleCopy* single);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/single_copy.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/single_copy.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE bool PathChooser::single(std::size_t bytes) {
+  Class& c = at(bytes);
+  ++c.calls;
+  if (c.runs[0] < tries || c.runs[1] < tries) return c.runs[1] < c.runs[0];
+  const bool faster = c.seconds[1] < c.seconds[0];
+  return c.calls % retry_every == 0 ? !faster : faster;
+}
+
+DDP_INLINE void PathChooser::record(std::size_t bytes, bool single, double seconds) {
+  Class& c = at(bytes);
+  double& avg = c.seconds[single ? 1 : 0];
+  avg = c.runs[single ? 1 : 0]++ == 0 ? seconds : (avg + seconds) / 2;
+}
+
+DDP_INLINE auto PathChooser::at(std::size_t bytes) -> Class& {
+  return classes_[static_cast<std::size_t>(std::bit_width(bytes | 1)) - 1];
+}
+
 DDP_INLINE void SingleCopy::all_reduce(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
                                        const Fingerprint* fp) {
   const std::size_t es = b.elem();
@@ -16131,14 +16779,7 @@ DDP_INLINE void SingleCopy::all_reduce(Transport& t, RoundScratch& s, const Buf&
   empty_round(t, nullptr);
   done(true);
 }
-#endif  // DDP_BODIES
 
-/// all_reduce over transport `t` (the whole communicator, or one of the hierarchical path's
-/// groups): one round that gathers whole buffers when small, single copy where the transport
-/// offers it for this size (`single`, when not null), else reduce_segments.
-DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
-                              const Fingerprint* fp, SingleCopy* single);
-#if DDP_BODIES
 DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, ReduceFn fn,
                               const Fingerprint* fp, SingleCopy* single) {
   if (b.bytes() <= t.small_bytes()) {
@@ -16151,10 +16792,11 @@ DDP_INLINE void all_reduce_on(Transport& t, RoundScratch& s, const Buf& b, Reduc
   }
   reduce_segments(t, s, b, fn, -1, fp);
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/single_copy.ipp
+#endif
 // end ddp/backend/host/single_copy.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
 // #include "ddp/backend/reduce.hpp" (already included above)
@@ -16188,67 +16830,6 @@ namespace detail {
 DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
                                                       const std::vector<int>& ranks,
                                                       std::chrono::milliseconds grace);
-#if DDP_BODIES
-DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
-                                                      const std::vector<int>& ranks,
-                                                      std::chrono::milliseconds grace) {
-  const auto deadline = std::chrono::steady_clock::now() + grace;
-  try {
-    Store plain = store.unwatched();
-    for (;;) {
-      const std::string failed = "failed";
-      if (plain.check(std::span<const std::string>(&failed, 1))) {
-        // CommState::relay_failure's record: its origin is the rank whose rendezvous failed
-        if (const auto e = decode_stop(plain.get(failed)); e && e->origin_rank() >= 0) {
-          Transport::Left left;
-          left.rank = e->origin_rank();
-          left.code = e->code();
-          left.message = std::string(e->origin_message());
-          left.lost = e->lost_ranks();
-          return left;
-        }
-      }
-      for (int j : ranks) {
-        const std::string key = concat("left/", j);
-        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
-        const auto e = decode_stop(plain.get(key));
-        if (!e) fail(Errc::protocol, "the leaving record of rank ", j, " is not one");
-        Transport::Left left;
-        left.rank = j;
-        left.code = e->code();
-        left.message = e->what();
-        if (e->origin_rank() >= 0 && e->origin_rank() != j) {  // it relayed another rank's
-          left.origin = e->origin_rank();
-          left.origin_message = std::string(e->origin_message());
-        }
-        left.lost = e->lost_ranks();
-        return left;
-      }
-      for (int j : ranks) {  // one that finished (CommState::announce_leaving)
-        const std::string key = concat("done/", j);
-        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
-        Transport::Left left;
-        left.rank = j;
-        left.code = Errc::peer_lost;
-        left.finished = true;
-        left.operations = std::strtoull(plain.get(key).c_str(), nullptr, 10);
-        return left;
-      }
-      // "exit/<rank>" without a record before it: its process died (the store wrote it as the
-      // connection closed), and no record will come.
-      bool all_exited = true;
-      for (int j : ranks) {
-        const std::string key = concat("exit/", j);
-        all_exited = all_exited && plain.check(std::span<const std::string>(&key, 1));
-      }
-      if (all_exited || std::chrono::steady_clock::now() >= deadline) return std::nullopt;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add
-    return std::nullopt;
-  }
-}
-#endif  // DDP_BODIES
 
 /// The hierarchical path of one communicator: its kind (flat when the ranks share one host, or
 /// each runs alone on its host), the transport among this host's ranks (`local`) and the one that
@@ -16323,7 +16904,81 @@ class Hierarchy {
   void record_leaving(const Error& e) noexcept;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/hierarchy.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/hierarchy.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::optional<Transport::Left> left_record(const Store& store,
+                                                      const std::vector<int>& ranks,
+                                                      std::chrono::milliseconds grace) {
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  try {
+    Store plain = store.unwatched();
+    for (;;) {
+      const std::string failed = "failed";
+      if (plain.check(std::span<const std::string>(&failed, 1))) {
+        // CommState::relay_failure's record: its origin is the rank whose rendezvous failed
+        if (const auto e = decode_stop(plain.get(failed)); e && e->origin_rank() >= 0) {
+          Transport::Left left;
+          left.rank = e->origin_rank();
+          left.code = e->code();
+          left.message = std::string(e->origin_message());
+          left.lost = e->lost_ranks();
+          return left;
+        }
+      }
+      for (int j : ranks) {
+        const std::string key = concat("left/", j);
+        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+        const auto e = decode_stop(plain.get(key));
+        if (!e) fail(Errc::protocol, "the leaving record of rank ", j, " is not one");
+        Transport::Left left;
+        left.rank = j;
+        left.code = e->code();
+        left.message = e->what();
+        if (e->origin_rank() >= 0 && e->origin_rank() != j) {  // it relayed another rank's
+          left.origin = e->origin_rank();
+          left.origin_message = std::string(e->origin_message());
+        }
+        left.lost = e->lost_ranks();
+        return left;
+      }
+      for (int j : ranks) {  // one that finished (CommState::announce_leaving)
+        const std::string key = concat("done/", j);
+        if (!plain.check(std::span<const std::string>(&key, 1))) continue;
+        Transport::Left left;
+        left.rank = j;
+        left.code = Errc::peer_lost;
+        left.finished = true;
+        left.operations = std::strtoull(plain.get(key).c_str(), nullptr, 10);
+        return left;
+      }
+      // "exit/<rank>" without a record before it: its process died (the store wrote it as the
+      // connection closed), and no record will come.
+      bool all_exited = true;
+      for (int j : ranks) {
+        const std::string key = concat("exit/", j);
+        all_exited = all_exited && plain.check(std::span<const std::string>(&key, 1));
+      }
+      if (all_exited || std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const Error&) {  // the store is gone or the record unreadable: nothing to add
+    return std::nullopt;
+  }
+}
+
 DDP_INLINE void Hierarchy::check_locally(const Fingerprint& f, Transport* remote) {
   if (!active() || local->size() <= 1 || !local->verify_fingerprints) return;
   local->slack = std::chrono::milliseconds(0);
@@ -16410,10 +17065,11 @@ DDP_INLINE void Hierarchy::record_leaving(const Error& e) noexcept {
   } catch (...) {  // the store is gone: the peers report a lost connection instead
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/hierarchy.ipp
+#endif
 // end ddp/backend/host/hierarchy.hpp
 // begin ddp/backend/host/shm.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
@@ -16488,36 +17144,14 @@ DDP_BEGIN_NAMESPACE
 namespace detail {
 
 DDP_INLINE void cpu_relax() noexcept;
-#if DDP_BODIES
-DDP_INLINE void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();  // _mm_pause without <immintrin.h> (0.4 s of every compile)
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-#endif  // DDP_BODIES
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
 static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
 
 /// FUTEX_WAIT on a word in (possibly shared) memory for at most `ns` nanoseconds.
 DDP_INLINE void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns);
-#if DDP_BODIES
-DDP_INLINE void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
-  timespec ts{ns / 1000000000L, ns % 1000000000L};
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
-                  nullptr, 0);
-}
-#endif  // DDP_BODIES
 
 DDP_INLINE void futex_wake_all(std::atomic<std::uint32_t>* word);
-#if DDP_BODIES
-DDP_INLINE void futex_wake_all(std::atomic<std::uint32_t>* word) {
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
-                  nullptr, 0);
-}
-#endif  // DDP_BODIES
 
 /// The sleeping half of the handshake; lives in shared memory.
 struct WakeWord {
@@ -16537,25 +17171,8 @@ struct WakeWord {
   }
 };
 
-#if DDP_BODIES
-DDP_INLINE void WakeWord::notify() noexcept {
-  if (sleepers.load(std::memory_order_seq_cst) != 0) {
-    epoch.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&epoch);
-  }
-}
-#endif  // DDP_BODIES
-
 /// Number of CPUs this process may run on.
 [[nodiscard]] DDP_INLINE int usable_cpus();
-#if DDP_BODIES
-DDP_INLINE int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return CPU_COUNT(&set);
-}
-#endif  // DDP_BODIES
 
 /// Watches processes for exit. pidfds become readable when a process exits (a zombie counts as
 /// exited); without pidfd_open (Linux < 5.3) falls back to kill(pid, 0).
@@ -16587,7 +17204,54 @@ class ProcessWatch {
   std::vector<Watched> watched_;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/wait.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/wait.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();  // _mm_pause without <immintrin.h> (0.4 s of every compile)
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+DDP_INLINE void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long ns) {
+  timespec ts{ns / 1000000000L, ns % 1000000000L};
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
+                  nullptr, 0);
+}
+
+DDP_INLINE void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
+                  nullptr, 0);
+}
+
+DDP_INLINE void WakeWord::notify() noexcept {
+  if (sleepers.load(std::memory_order_seq_cst) != 0) {
+    epoch.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&epoch);
+  }
+}
+
+DDP_INLINE int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
 DDP_INLINE void ProcessWatch::add(int rank, int pid) {
 #ifdef SYS_pidfd_open
   const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
@@ -16618,10 +17282,11 @@ DDP_INLINE int ProcessWatch::first_dead() const {
   }
   return -1;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/wait.ipp
+#endif
 // end ddp/detail/wait.hpp
 // #include "ddp/error.hpp" (already included above)
 
@@ -16663,30 +17328,6 @@ struct ShmLayout {
   [[nodiscard]] std::size_t channel_offset(int src, int dst) const;
   [[nodiscard]] std::size_t total() const;
 };
-
-#if DDP_BODIES
-DDP_INLINE std::size_t ShmLayout::slots_offset() const {
-  return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
-}
-
-DDP_INLINE std::size_t ShmLayout::slot_offset(int rank, unsigned parity) const {
-  return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
-}
-
-DDP_INLINE std::size_t ShmLayout::channels_offset() const {
-  return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
-}
-
-DDP_INLINE std::size_t ShmLayout::channel_offset(int src, int dst) const {
-  return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
-                              static_cast<std::size_t>(dst)) *
-                                 (channel_ctl_bytes + channel_bytes);
-}
-
-DDP_INLINE std::size_t ShmLayout::total() const {
-  return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
-}
-#endif  // DDP_BODIES
 
 struct ShmHeader {
   std::uint64_t magic;
@@ -16778,7 +17419,43 @@ class ShmSegment {
   Fd fd_;  // the creator's, until every rank has mapped the segment
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/shm_segment.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/shm_segment.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::size_t ShmLayout::slots_offset() const {
+  return align_up(header_bytes + static_cast<std::size_t>(world) * ctl_bytes, 4096);
+}
+
+DDP_INLINE std::size_t ShmLayout::slot_offset(int rank, unsigned parity) const {
+  return slots_offset() + (static_cast<std::size_t>(rank) * 2 + parity) * slot_bytes;
+}
+
+DDP_INLINE std::size_t ShmLayout::channels_offset() const {
+  return slots_offset() + static_cast<std::size_t>(world) * 2 * slot_bytes;
+}
+
+DDP_INLINE std::size_t ShmLayout::channel_offset(int src, int dst) const {
+  return channels_offset() + (static_cast<std::size_t>(src) * static_cast<std::size_t>(world) +
+                              static_cast<std::size_t>(dst)) *
+                                 (channel_ctl_bytes + channel_bytes);
+}
+
+DDP_INLINE std::size_t ShmLayout::total() const {
+  return align_up(channel_offset(world - 1, world - 1) + channel_ctl_bytes + channel_bytes, 4096);
+}
+
 DDP_INLINE bool ShmSegment::create(std::size_t size, std::string& why) {
   fd_ = Fd(::open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
   std::string where = "/dev/shm";
@@ -16851,10 +17528,11 @@ DDP_INLINE void ShmSegment::map(int fd, std::size_t size) {
   base_ = p;
   size_ = size;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/shm_segment.ipp
+#endif
 // end ddp/backend/host/shm_segment.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
@@ -17063,7 +17741,21 @@ class ShmTransport final : public Transport {
   std::uint64_t probe_ = probe_value;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/shm.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/shm.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE ShmTransport::ShmTransport(int rank, int size, std::chrono::milliseconds timeout,
                                       ShmLayout layout, std::unique_ptr<ShmSegment> segment,
                                       const std::vector<int>& pids, int machine_ranks)
@@ -17430,10 +18122,11 @@ DDP_INLINE void ShmTransport::channel_read(int peer, void* data, std::size_t n, 
     header_->wake.notify();
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/shm.ipp
+#endif
 // end ddp/backend/host/shm.hpp
 // #include "ddp/backend/host/single_copy.hpp" (already included above)
 // begin ddp/backend/host/tcp.hpp
@@ -17592,7 +18285,21 @@ class TcpTransport final : public Transport {
   P2PHeader p2p_header_{};
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/tcp.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/tcp.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE TcpTransport::TcpTransport(int rank, int size, std::chrono::milliseconds timeout,
                                       std::vector<Fd> peers, std::size_t segment_bytes,
                                       int local_ranks)
@@ -18049,10 +18756,11 @@ DDP_INLINE void TcpTransport::flush_headers() {
     x.out_off = 0;
   }
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/tcp.ipp
+#endif
 // end ddp/backend/host/tcp.hpp
 // #include "ddp/backend/host/transport.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
@@ -18153,7 +18861,21 @@ struct HostLinks {
                                          const std::vector<int>& pids, HostTransport requested);
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/bootstrap.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/bootstrap.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
 DDP_INLINE HostLinks::HostLinks(int r, int s) : rank(r), size(s) {}
 
 DDP_INLINE void HostLinks::connect(const BackendInit& init) {
@@ -18524,10 +19246,11 @@ DDP_INLINE std::unique_ptr<Transport> HostLinks::connect_shm(Store& store, const
   }
   return t;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/bootstrap.ipp
+#endif
 // end ddp/backend/host/bootstrap.hpp
 // #include "ddp/backend/host/flat.hpp" (already included above)
 // #include "ddp/backend/host/hierarchy.hpp" (already included above)
@@ -18595,35 +19318,6 @@ struct UnevenPlan {
                             std::span<const std::size_t> counts, int root);
 };
 
-#if DDP_BODIES
-DDP_INLINE std::vector<std::uint64_t> UnevenPlan::row() const {
-  std::vector<std::uint64_t> r(sends);
-  r.insert(r.end(), recvs.begin(), recvs.end());
-  return r;
-}
-
-DDP_INLINE UnevenPlan UnevenPlan::gather(int p, int rank, std::size_t in_count,
-                                         std::span<const std::size_t> counts, int root) {
-  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-  for (int j = 0; j < p; ++j) {
-    if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
-    if (root < 0 || rank == root)
-      plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
-  }
-  return plan;
-}
-
-DDP_INLINE UnevenPlan UnevenPlan::scatter(int p, int rank, std::size_t out_count,
-                                          std::span<const std::size_t> counts, int root) {
-  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-  plan.recvs[static_cast<std::size_t>(root)] = out_count;
-  if (rank == root) plan.sends.assign(counts.begin(), counts.end());
-  return plan;
-}
-#endif  // DDP_BODIES
-
 /// Every rank's row (rows[r * 2p ...], as UnevenPlan::row) checked pair by pair: returns
 /// sends[src * p + dst]; fails with Errc::mismatch naming the first pair that disagrees.
 /// `global(j)`: the communicator's number of rank j; `what`: the call, for the message.
@@ -18651,7 +19345,49 @@ template <class Global>
 /// Offsets of consecutive blocks of the given sizes.
 [[nodiscard]] DDP_INLINE std::vector<std::size_t> block_offsets(
     std::span<const std::size_t> counts);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/impl/uneven.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/uneven.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::vector<std::uint64_t> UnevenPlan::row() const {
+  std::vector<std::uint64_t> r(sends);
+  r.insert(r.end(), recvs.begin(), recvs.end());
+  return r;
+}
+
+DDP_INLINE UnevenPlan UnevenPlan::gather(int p, int rank, std::size_t in_count,
+                                         std::span<const std::size_t> counts, int root) {
+  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+  for (int j = 0; j < p; ++j) {
+    if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
+    if (root < 0 || rank == root)
+      plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
+  }
+  return plan;
+}
+
+DDP_INLINE UnevenPlan UnevenPlan::scatter(int p, int rank, std::size_t out_count,
+                                          std::span<const std::size_t> counts, int root) {
+  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
+  plan.recvs[static_cast<std::size_t>(root)] = out_count;
+  if (rank == root) plan.sends.assign(counts.begin(), counts.end());
+  return plan;
+}
+
 DDP_INLINE std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
   std::vector<std::size_t> at(counts.size());
   std::size_t sum = 0;
@@ -18661,10 +19397,11 @@ DDP_INLINE std::vector<std::size_t> block_offsets(std::span<const std::size_t> c
   }
   return at;
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/impl/uneven.ipp
+#endif
 // end ddp/backend/uneven.hpp
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
@@ -18685,17 +19422,6 @@ namespace detail {
 [[nodiscard]] DDP_INLINE std::vector<std::uint64_t> agree_on_sizes(Transport& t,
                                                                    const UnevenPlan& mine,
                                                                    const Fingerprint& fp);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::uint64_t> agree_on_sizes(Transport& t, const UnevenPlan& mine,
-                                                     const Fingerprint& fp) {
-  const auto p = static_cast<std::size_t>(t.size());
-  std::vector<std::uint64_t> row = mine.row(), all(2 * p * p);
-  const Buf in{reinterpret_cast<std::byte*>(row.data()), row.size(), DType::uint64};
-  const Buf out{reinterpret_cast<std::byte*>(all.data()), all.size(), DType::uint64};
-  gather_on(t, in, out, -1, fp);
-  return agreed_sizes(all, p, t.rank(), to_string(fp), [&](int j) { return t.global(j); });
-}
-#endif  // DDP_BODIES
 
 /// Moves an agreed uneven exchange: rank src sends C[src][dst] elements of its `in`, from
 /// element send_at(dst), to rank dst, which stores them in its `out` from element recv_at(src).
@@ -18774,7 +19500,42 @@ void move_uneven(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
 DDP_INLINE void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
                                 std::span<const std::size_t> in_counts,
                                 std::span<const std::size_t> out_counts, const Fingerprint& fp);
+
+/// all_gather (root < 0) or gather to `root` with a count per rank: rank j's `in` (counts[j]
+/// elements) into `out` at the sum of the counts before j. `counts` is read where `out` is.
+DDP_INLINE void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                            std::span<const std::size_t> counts, int root, const Fingerprint& fp);
+
+/// scatter with a count per rank: counts[j] elements of root's `in` (consecutive blocks) into
+/// rank j's `out`. `counts` is read on the root.
+DDP_INLINE void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
+                             std::span<const std::size_t> counts, int root, const Fingerprint& fp);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/host/impl/uneven.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host/uneven.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::vector<std::uint64_t> agree_on_sizes(Transport& t, const UnevenPlan& mine,
+                                                     const Fingerprint& fp) {
+  const auto p = static_cast<std::size_t>(t.size());
+  std::vector<std::uint64_t> row = mine.row(), all(2 * p * p);
+  const Buf in{reinterpret_cast<std::byte*>(row.data()), row.size(), DType::uint64};
+  const Buf out{reinterpret_cast<std::byte*>(all.data()), all.size(), DType::uint64};
+  gather_on(t, in, out, -1, fp);
+  return agreed_sizes(all, p, t.rank(), to_string(fp), [&](int j) { return t.global(j); });
+}
+
 DDP_INLINE void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
                                 std::span<const std::size_t> in_counts,
                                 std::span<const std::size_t> out_counts, const Fingerprint& fp) {
@@ -18784,13 +19545,7 @@ DDP_INLINE void all_to_all_v_on(Transport& t, RoundScratch& s, const Buf& in, co
       t, s, in, out, c, false, [&](int j) { return send_at[static_cast<std::size_t>(j)]; },
       [&](int j) { return recv_at[static_cast<std::size_t>(j)]; });
 }
-#endif  // DDP_BODIES
 
-/// all_gather (root < 0) or gather to `root` with a count per rank: rank j's `in` (counts[j]
-/// elements) into `out` at the sum of the counts before j. `counts` is read where `out` is.
-DDP_INLINE void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                            std::span<const std::size_t> counts, int root, const Fingerprint& fp);
-#if DDP_BODIES
 DDP_INLINE void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
                             std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
   const auto p = static_cast<std::size_t>(t.size());
@@ -18803,13 +19558,7 @@ DDP_INLINE void gather_v_on(Transport& t, RoundScratch& s, const Buf& in, const 
       t, s, in, out, c, root < 0, [](int) { return std::size_t{0}; },
       [&](int j) { return recv_at[static_cast<std::size_t>(j)]; });
 }
-#endif  // DDP_BODIES
 
-/// scatter with a count per rank: counts[j] elements of root's `in` (consecutive blocks) into
-/// rank j's `out`. `counts` is read on the root.
-DDP_INLINE void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
-                             std::span<const std::size_t> counts, int root, const Fingerprint& fp);
-#if DDP_BODIES
 DDP_INLINE void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const Buf& out,
                              std::span<const std::size_t> counts, int root, const Fingerprint& fp) {
   const auto p = static_cast<std::size_t>(t.size());
@@ -18821,10 +19570,11 @@ DDP_INLINE void scatter_v_on(Transport& t, RoundScratch& s, const Buf& in, const
       t, s, in, out, c, false, [&](int j) { return send_at[static_cast<std::size_t>(j)]; },
       [](int) { return std::size_t{0}; });
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/backend/host/impl/uneven.ipp
+#endif
 // end ddp/backend/host/uneven.hpp
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
@@ -18955,7 +19705,21 @@ class Host {
   detail::RoundScratch scratch_;
 };
 
+}  // namespace backend
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/backend/impl/host.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/backend/host.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace backend {
+
 DDP_INLINE std::unique_ptr<Host> Host::create(const detail::BackendInit& init) {
   auto host = std::unique_ptr<Host>(new Host(init.rank, init.size));
   host->net_.connect(init);
@@ -19112,10 +19876,11 @@ DDP_INLINE detail::Fingerprint Host::next(detail::Coll c, DType type, std::size_
   if (check_locally) net_.hierarchy.check_locally(f, net_.transport.get());
   return f;
 }
-#endif  // DDP_BODIES
 
 }  // namespace backend
 DDP_END_NAMESPACE
+// end ddp/backend/impl/host.ipp
+#endif
 // end ddp/backend/host.hpp
 #if DDP_HAS_MPI
 // begin ddp/backend/mpi.hpp
@@ -21227,7 +21992,19 @@ class NcclClique {
   detail::NcclAborter aborter_;  // last: joined before the streams are freed
 };
 
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/impl/multi_gpu.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/multi_gpu.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
 DDP_INLINE NcclClique::NcclClique(std::vector<int> devices, std::chrono::milliseconds timeout)
     : devices_(std::move(devices)), timeout_(timeout) {
   const int visible = cuda_device_count();
@@ -21322,423 +22099,13 @@ DDP_INLINE void NcclClique::give_up(const char* what, ncclResult_t rc, const cha
   detail::fail(detail::nccl_errc(rc), "NcclClique: ", what, ": ", where,
                " failed: ", ncclGetErrorString(rc), last, "; the clique was aborted");
 }
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
+// end ddp/impl/multi_gpu.ipp
+#endif
 // end ddp/multi_gpu.hpp
 #endif
-// #include "ddp/codec.hpp" (already included above)
-// #include "ddp/comm/recorder.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// begin ddp/instances.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The instantiations the separate-compilation mode compiles once: `Communicator<backend::Host>`
-/// (every non-template member: init, the type-erased part of each collective, shrink, grow,
-/// split, ...) is declared `extern template` in every unit and defined in the implementation
-/// unit (<ddp/impl/src.hpp>, or DDP_IMPLEMENTATION with the single header). Header-only, this
-/// header adds nothing: each unit instantiates what it uses, as before.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/backend/host.hpp" (already included above)
-// #include "ddp/communicator.hpp" (already included above)
-
-#ifdef DDP_SEPARATE_COMPILATION
-DDP_BEGIN_NAMESPACE
-#if DDP_BODIES
-template class Communicator<backend::Host>;
-#else
-extern template class Communicator<backend::Host>;
-#endif
-DDP_END_NAMESPACE
-#endif
-// end ddp/instances.hpp
-// #include "ddp/options.hpp" (already included above)
-// begin ddp/spawn.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::spawn: like torch.multiprocessing.spawn. Forks `nprocs` processes on this host, each
-/// running fn(env) with its Environment (also exported as RANK, WORLD_SIZE, ... so that
-/// Environment::detect() and Communicator::init() work inside), and waits for them. The parent
-/// hosts the rendezvous store. If a child throws or dies, the parent stops the others (SIGTERM,
-/// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/comm/recorder.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-// begin ddp/detail/process.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Starting and stopping worker processes, the one way ddp::spawn and ddprun's agent both do it:
-/// a fork that gives the child default signal dispositions and ties its life to its parent's,
-/// the variables that place a worker in its job (torchrun's names), a stop in two steps
-/// (SIGTERM, then SIGKILL after a grace period) and the words for how a process ended.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <chrono>
-#include <cstdio>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// Where a worker stands in its job: what RANK, WORLD_SIZE, ... tell it.
-struct WorkerPlace {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  int node_rank = 0;
-  std::string master_addr;
-  int master_port = 0;
-};
-
-/// "RANK=r", "WORLD_SIZE=n", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-/// "MASTER_ADDR", "MASTER_PORT" (torchrun's names) and "DDP_STORE_HOSTED=1": the parent hosts the
-/// rendezvous store, or reaches the one that does, for the worker's whole life.
-[[nodiscard]] DDP_INLINE std::vector<std::string> worker_variables(const WorkerPlace& p);
-
-/// fork() for a worker. Signals are blocked across it, so that none reaches the child before the
-/// child has its own dispositions. In the child (0 is returned): the signals a parent handles
-/// (SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE and the crash signals) back to their defaults, the
-/// previous mask back, killed when its parent dies (PR_SET_PDEATHSIG; it exits with 127 at once
-/// when the parent is already gone) and, with `own_group`, in a process group of its own (so that
-/// stopping it stops what it started). The child makes async-signal-safe calls only. In the
-/// parent: the child's pid; fails with Errc::system.
-[[nodiscard]] DDP_INLINE pid_t fork_worker(bool own_group);
-
-/// "exited with status N", "was killed by SIGKILL (signal 9)" for a waitpid() status.
-[[nodiscard]] DDP_INLINE std::string describe_status(int status);
-
-/// A stop in two steps, as torchrun and mpirun stop their workers: SIGTERM, then SIGKILL to what
-/// has not ended when the grace period is over. Only the times: the owner sends the signals that
-/// due() names, to its own processes.
-class GracefulStop {
- public:
-  using Clock = std::chrono::steady_clock;
-
-  /// SIGTERM at `now + delay` (time for the workers to write their flight recorders), SIGKILL
-  /// `grace` after that.
-  void begin(Clock::time_point now, std::chrono::milliseconds delay,
-             std::chrono::milliseconds grace) {
-    term_at_ = now + delay;
-    kill_at_ = term_at_ + grace;
-  }
-  /// The first signal is sent already (passed on from the launcher's own): SIGKILL `grace` later.
-  void begin_sent(Clock::time_point now, std::chrono::milliseconds grace) {
-    term_at_ = Clock::time_point::max();
-    kill_at_ = now + grace;
-  }
-  /// No stop under way.
-  void reset() { term_at_ = kill_at_ = Clock::time_point::max(); }
-  /// Whether SIGKILL is still to come: a stop is under way and its grace period not over.
-  [[nodiscard]] bool kill_pending() const { return kill_at_ != Clock::time_point::max(); }
-  /// The signal due at `now`: SIGTERM, then SIGKILL, each named once; 0 when none is.
-  [[nodiscard]] int due(Clock::time_point now) {
-    if (now >= term_at_) {
-      term_at_ = Clock::time_point::max();
-      return SIGTERM;
-    }
-    if (now >= kill_at_) {
-      kill_at_ = Clock::time_point::max();
-      return SIGKILL;
-    }
-    return 0;
-  }
-
- private:
-  Clock::time_point term_at_ = Clock::time_point::max();
-  Clock::time_point kill_at_ = Clock::time_point::max();
-};
-
-#if DDP_BODIES
-DDP_INLINE std::vector<std::string> worker_variables(const WorkerPlace& p) {
-  return {concat("RANK=", p.rank),
-          concat("WORLD_SIZE=", p.world_size),
-          concat("LOCAL_RANK=", p.local_rank),
-          concat("LOCAL_WORLD_SIZE=", p.local_world_size),
-          concat("NODE_RANK=", p.node_rank),
-          concat("GROUP_RANK=", p.node_rank),
-          concat("MASTER_ADDR=", p.master_addr),
-          concat("MASTER_PORT=", p.master_port),
-          "DDP_STORE_HOSTED=1"};
-}
-
-DDP_INLINE pid_t fork_worker(bool own_group) {
-  std::fflush(nullptr);  // nothing buffered is written twice
-  sigset_t all, previous;
-  ::sigfillset(&all);
-  ::pthread_sigmask(SIG_SETMASK, &all, &previous);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    if (own_group) ::setpgid(0, 0);
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    for (const int sig :
-         {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS})
-      ::sigaction(sig, &dfl, nullptr);
-    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-    return 0;
-  }
-  const int err = errno;
-  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-  if (pid < 0) fail_errno(err, "fork");
-  if (own_group) ::setpgid(pid, pid);  // also here: whichever of the two runs first
-  return pid;
-}
-
-DDP_INLINE std::string describe_status(int status) {
-  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* name = ::sigabbrev_np(sig);
-    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
-  }
-  return "stopped";
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/detail/process.hpp
-// #include "ddp/detail/socket.hpp" (already included above)
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/store/protocol.hpp" (already included above)
-// #include "ddp/store/server.hpp" (already included above)
-
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstddef>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
-#include <functional>
-#include <optional>
-#include <string>
-#include <thread>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// How spawn() starts, hosts and stops its workers.
-struct SpawnOptions {
-  /// Address the store listens on and workers connect to.
-  std::string master_addr = "127.0.0.1";
-  /// Port of the store; 0 picks a free one.
-  int master_port = 0;
-  /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
-  std::chrono::milliseconds grace{std::chrono::seconds(3)};
-  /// Extra environment variables for the workers ("NAME=value"). A DDP_TOKEN here is also the
-  /// token of the store spawn() hosts.
-  std::vector<std::string> env;
-  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
-  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
-  /// it off to watch how the survivors react.
-  bool stop_on_failure = true;
-  /// With stop_on_failure false: end (SIGKILL) a worker that the job left out alive, stopped or
-  /// hung past the heartbeat or too slow for the others' shrink() (it can never act again, and
-  /// spawn would wait for it for ever), as ddprun does; spawn then fails naming it. Tests of
-  /// fencing, which wake such a worker to watch it refused, turn it off.
-  bool end_left_out = true;
-};
-
-/// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
-DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
-                      const SpawnOptions& options = {});
-#if DDP_BODIES
-DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
-                      const SpawnOptions& options) {
-  if (nprocs < 1)
-    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
-  std::fflush(nullptr);
-  // Bind before forking: the port is known to every child, and no thread exists yet.
-  detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
-  const int port = detail::local_port(listener.get());
-
-  struct Child {
-    pid_t pid = -1;
-    detail::Fd error_pipe;
-    std::string error;
-    int status = 0;
-    bool done = false;
-    std::string left_out;  // why the job left it out, when spawn ended it for that
-  };
-  std::vector<Child> children(static_cast<std::size_t>(nprocs));
-  for (int r = 0; r < nprocs; ++r) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
-    // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
-    const pid_t pid = detail::fork_worker(false);
-    if (pid == 0) {
-      ::close(fds[0]);
-      listener.reset();
-      for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
-      Environment env;
-      env.rank = r;
-      env.world_size = nprocs;
-      env.local_rank = r;
-      env.local_world_size = nprocs;
-      env.node_rank = 0;
-      env.master_addr = options.master_addr;
-      env.master_port = port;
-      env.launcher = "spawn";
-      for (const std::string& kv :
-           detail::worker_variables({r, nprocs, r, nprocs, 0, options.master_addr, port})) {
-        const std::size_t eq = kv.find('=');
-        ::setenv(kv.substr(0, eq).c_str(), kv.c_str() + eq + 1, 1);
-      }
-      for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
-      int code = 0;
-      std::string message;
-      try {
-        fn(env);
-      } catch (const std::exception& e) {
-        message = e.what();
-        code = 1;
-      } catch (...) {
-        message = "a non-standard exception";
-        code = 1;
-      }
-      // Less than a pipe's capacity: the parent reads it only after this process has exited.
-      if (message.size() > 16384) message.resize(16384);
-      if (code != 0) (void)!::write(fds[1], message.data(), message.size());
-      std::fflush(nullptr);
-      ::_exit(code);  // no atexit handlers or static destructors of the parent's copy
-    }
-    ::close(fds[1]);
-    children[static_cast<std::size_t>(r)].pid = pid;
-    children[static_cast<std::size_t>(r)].error_pipe.reset(fds[0]);
-  }
-
-  StoreOptions so;
-  so.token = detail::EnvReader().get("DDP_TOKEN");
-  for (const auto& kv : options.env)  // the workers' token, when the options give them one
-    if (kv.rfind("DDP_TOKEN=", 0) == 0) so.token = kv.substr(10);
-  StoreServer server(std::move(listener), options.master_addr, so);
-
-  const auto read_error = [](Child& c) {
-    char buf[4096];
-    for (;;) {
-      const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
-      if (n > 0 && c.error.size() < 65536)
-        c.error.append(buf, static_cast<std::size_t>(n));
-      else if (n < 0 && errno == EINTR)
-        continue;
-      else
-        break;
-    }
-  };
-  // Without stop_on_failure the others go on when a worker is lost; a worker the job left out
-  // alive (stopped or hung past the heartbeat, or too slow for the others' shrink) can never act
-  // again and would keep spawn waiting: its record in the store ("ddp/<restart>/left/<rank>",
-  // as ddprun reads it) ends it.
-  std::optional<Store> records;
-  if (!options.stop_on_failure && options.end_left_out)
-    records.emplace(options.master_addr, server.port(), so);
-  const std::string left =
-      detail::concat("ddp/", detail::EnvReader().get("DDP_RESTART_COUNT", "0"), "/left/");
-  auto next_check = std::chrono::steady_clock::now();
-  const auto end_left_out = [&] {
-    for (int r = 0; r < nprocs; ++r) {
-      Child& c = children[static_cast<std::size_t>(r)];
-      const std::string key[] = {detail::concat(left, r)};
-      if (c.done || !c.left_out.empty() || !records->check(key)) continue;
-      c.left_out = records->get(key[0]);
-      if (c.left_out.empty()) c.left_out = "the others went on without it";
-      ::kill(c.pid, SIGKILL);
-    }
-  };
-  int first_failed = -1;
-  int remaining = nprocs;
-  detail::GracefulStop stop;
-  const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
-  while (remaining > 0) {
-    bool reaped = false;
-    for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
-      Child& c = children[static_cast<std::size_t>(r)];
-      if (c.done) continue;
-      int status = 0;
-      const pid_t pid = ::waitpid(c.pid, &status, WNOHANG);
-      if (pid == 0 || (pid < 0 && errno == EINTR)) continue;
-      c.done = true;
-      c.status = pid < 0 ? 0 : status;
-      --remaining;
-      reaped = true;
-      read_error(c);
-      const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      if (!ok && first_failed < 0) {
-        first_failed = r;
-        if (options.stop_on_failure)
-          stop.begin(detail::GracefulStop::Clock::now(), dump_delay, options.grace);
-      }
-    }
-    while (const int sig = stop.due(detail::GracefulStop::Clock::now())) {
-      for (const auto& c : children) {
-        if (!c.done) ::kill(c.pid, sig);
-      }
-    }
-    if (records && remaining > 0 && std::chrono::steady_clock::now() >= next_check) {
-      next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-      end_left_out();
-    }
-    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  if (first_failed >= 0) {
-    const Child& c = children[static_cast<std::size_t>(first_failed)];
-    if (!c.left_out.empty())
-      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
-                   ") was left out of the job (", c.left_out,
-                   ") and ended, as it could never act again");
-    if (!c.error.empty()) {
-      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
-                   ") failed: ", c.error);
-    }
-    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
-                 detail::describe_status(c.status));
-  }
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/spawn.hpp
-// #include "ddp/store/client.hpp" (already included above)
-// #include "ddp/store/protocol.hpp" (already included above)
-// #include "ddp/store/server.hpp" (already included above)
-// begin ddp/training/async_checkpoint.hpp
+// begin ddp/checkpoint/async_checkpoint.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -21768,14 +22135,190 @@ DDP_END_NAMESPACE
 /// An AsyncSaver saves one process's file. In a job of several ranks, a checkpoint that every
 /// rank holds whole (replicated parameters and optimizer state, DDP's) is saved by rank 0 alone
 /// (`if (comm.rank() == 0) saver.save(...)`); state sharded over the ranks (ZeRO, fully sharded)
-/// is saved by every rank together with AsyncShardedSaver (ddp/training/sharded_checkpoint.hpp),
-/// the collective twin of save_sharded_checkpoint.
+/// is saved by every rank together with AsyncShardedSaver
+/// (ddp/training/zero/sharded_checkpoint.hpp), the collective twin of save_sharded_checkpoint.
 
-// #include "ddp/comm/timeline.hpp" (already included above)
 // #include "ddp/config.hpp" (already included above)
+// #include "ddp/observe/timeline.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// begin ddp/checkpoint/checkpoint.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Checkpoint: a training run's state as named sections (parameters, the optimizer's state,
+/// the sampler's position, the step, seeds), saved atomically and verified when loaded.
+///
+///     ddp::Checkpoint ck;
+///     ck.put_values("w", weights);                       // contiguous trivially copyable values
+///     ck.put_object("step", step);                       // anything ddp::codec encodes
+///     ck.put_object("sampler", sampler.state(consumed));
+///     ddp::save_checkpoint(comm, ck, "run.ckpt");        // collective: rank 0 writes
+///     ...
+///     if (auto ck = ddp::load_checkpoint(comm, "run.ckpt")) {   // collective: every rank gets it
+///       ck->get_values("w", std::span(weights));
+///       sampler.restore(ck->get_object<ddp::SamplerState>("sampler"));
+///     }
+///
+/// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
+/// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
+/// target (created exclusively under an unpredictable name, never through a link), fsyncs it,
+/// renames it over the target and fsyncs the directory, so a crash at any moment leaves the old
+/// checkpoint or the new one, never a mixture; a temporary file that a killed save left behind is
+/// removed by the next save. Something other than a regular file at the path (a symbolic link, a
+/// FIFO, a directory) is refused, never written through or waited on. load() refuses a file that is
+/// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
+/// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
+/// the directory it lives in.
+
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/observe/timeline.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// begin ddp/checkpoint/shard_layout.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ShardLayout: how one rank's shard of some arrays is laid out (the arrays' sizes and the pieces
+/// it holds), and its encoding in a sharded checkpoint section's companion ("ddp.sharded.<name>").
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.
+struct ShardRange {
+  std::size_t array = 0;   ///< Which array (a parameter's index, for ShardedAverager).
+  std::size_t offset = 0;  ///< The piece's first element within the array.
+  std::size_t size = 0;    ///< Its element count.
+  /// Equal when all three are.
+  friend bool operator==(const ShardRange&, const ShardRange&) = default;
+};
+
+/// How one rank's shard of some arrays is laid out: every array's element count, and the pieces
+/// this rank holds, in the order its values are stored. A sharded section of a checkpoint records
+/// it (Checkpoint::put_sharded), so that load_sharded_checkpoint can cut the arrays again for
+/// another world size. ShardedAverager::layout() is its shard's.
+struct ShardLayout {
+  std::vector<std::size_t> sizes;  ///< Element count of array 0, 1, ...
+  std::vector<ShardRange> ranges;  ///< This rank's pieces, in the order of its values.
+
+  /// Elements held: the pieces' sizes added up.
+  [[nodiscard]] std::size_t elements() const noexcept;
+  /// Rank `rank` of `world`'s share when each array is cut into `world` contiguous blocks, the
+  /// first size % world of them one element longer (a block may be empty): the layout
+  /// load_sharded_checkpoint gives a section on a world size other than the one that saved it.
+  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world);
+  /// Equal when the sizes and the pieces (in order) are.
+  friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
+};
+
+namespace detail {
+/// The companion section of sharded section `name`: its element size and layout.
+inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
+/// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
+/// per piece.
+DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
+/// Errc::invalid_argument (`what`: where it came from) unless `l`'s pieces lie within its arrays.
+DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what);
+/// layout_words back: the element size and the layout; Errc::protocol when malformed.
+DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                               std::string_view what);
+}  // namespace detail
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/checkpoint/impl/shard_layout.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/checkpoint/shard_layout.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE std::size_t ShardLayout::elements() const noexcept {
+  std::size_t n = 0;
+  for (const ShardRange& r : ranges) n += r.size;
+  return n;
+}
+
+DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world)
+    detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world, " ranks");
+  ShardLayout out;
+  const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
+  for (std::size_t a = 0; a < sizes.size(); ++a) {
+    const std::size_t n = sizes[a], base = n / p, extra = n % p;
+    const std::size_t size = base + (r < extra ? 1 : 0);
+    if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
+  }
+  out.sizes = std::move(sizes);
+  return out;
+}
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes,
+                                                   const ShardLayout& l) {
+  std::vector<std::uint64_t> w{element_bytes, l.sizes.size()};
+  w.insert(w.end(), l.sizes.begin(), l.sizes.end());
+  for (const ShardRange& r : l.ranges) w.insert(w.end(), {r.array, r.offset, r.size});
+  return w;
+}
+
+DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what) {
+  for (const ShardRange& r : l.ranges) {
+    if (r.array >= l.sizes.size() || r.offset > l.sizes[r.array] ||
+        r.size > l.sizes[r.array] - r.offset)
+      fail(Errc::invalid_argument, what, ": the piece [", r.offset, ", ", r.offset + r.size,
+           ") of array ", r.array, " lies outside the ", l.sizes.size(), " arrays' sizes");
+  }
+}
+
+DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
+                                                               std::string_view what) {
+  const auto bad = [&] {
+    fail(Errc::protocol, what, ": the layout of a sharded section is damaged");
+  };
+  if (w.size() < 2 || w[0] == 0 || w[1] > w.size() - 2 || (w.size() - 2 - w[1]) % 3 != 0) bad();
+  ShardLayout l;
+  const auto arrays = static_cast<std::size_t>(w[1]);
+  l.sizes.assign(w.begin() + 2, w.begin() + 2 + static_cast<std::ptrdiff_t>(arrays));
+  for (std::size_t i = 2 + arrays; i < w.size(); i += 3)
+    l.ranges.push_back({w[i], w[i + 1], w[i + 2]});
+  try {
+    check_layout(l, what);
+  } catch (const Error&) {
+    bad();
+  }
+  return {static_cast<std::size_t>(w[0]), std::move(l)};
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/checkpoint/impl/shard_layout.ipp
+#endif
+// end ddp/checkpoint/shard_layout.hpp
+// #include "ddp/data/partition.hpp" (already included above)
 // begin ddp/detail/files.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -21819,142 +22362,34 @@ namespace detail {
 
 /// The directory `path` is in: "." for a bare name, "/" for a file in the root.
 DDP_INLINE std::string parent_dir(const std::string& path);
-#if DDP_BODIES
-DDP_INLINE std::string parent_dir(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-}
-#endif  // DDP_BODIES
 
 /// The last component of `path`.
 DDP_INLINE std::string base_name(const std::string& path);
-#if DDP_BODIES
-DDP_INLINE std::string base_name(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-#endif  // DDP_BODIES
 
 /// What a file of mode `m` is, for messages; nullptr for a regular file.
 DDP_INLINE const char* file_kind(mode_t m) noexcept;
-#if DDP_BODIES
-DDP_INLINE const char* file_kind(mode_t m) noexcept {
-  if (S_ISREG(m)) return nullptr;
-  if (S_ISLNK(m)) return "a symbolic link";
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISFIFO(m)) return "a FIFO";
-  if (S_ISSOCK(m)) return "a socket";
-  if (S_ISCHR(m) || S_ISBLK(m)) return "a device";
-  return "not a regular file";
-}
-#endif  // DDP_BODIES
 
 /// What `path` is when something other than a regular file is there ("a symbolic link", "a
 /// FIFO", ...), not following a link and not opening it; nullptr for a regular file or nothing.
 DDP_INLINE const char* non_regular(const std::string& path) noexcept;
-#if DDP_BODIES
-DDP_INLINE const char* non_regular(const std::string& path) noexcept {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0)
-    return nullptr;  // nothing there (or unreachable: the
-                     // open or rename that follows says why)
-  return file_kind(st.st_mode);
-}
-#endif  // DDP_BODIES
 
 /// Flushes directory `dir`, so that a rename or an unlink in it is on disk. Returns 0, or the
 /// errno of a failed flush (EIO); where directories cannot be flushed at all (EINVAL, EROFS) it
 /// counts as done.
 DDP_INLINE int sync_dir(const std::string& dir) noexcept;
-#if DDP_BODIES
-DDP_INLINE int sync_dir(const std::string& dir) noexcept {
-  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
-  if (d < 0) return 0;  // e.g. no read permission on the directory: nothing to flush through
-  const int rc = ::fsync(d);
-  const int err = rc == 0 ? 0 : errno;
-  ::close(d);
-  return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
-}
-#endif  // DDP_BODIES
 
 /// The rest of the names of the regular files "<base_name(stem)>.<rest>" in stem's directory, in
 /// no particular order. Fails with Errc::system when the directory cannot be read.
 DDP_INLINE std::vector<std::string> suffixes(const std::string& stem);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::string> suffixes(const std::string& stem) {
-  const std::string dir = parent_dir(stem);
-  const std::string prefix = base_name(stem) + ".";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr)
-    fail(Errc::system, "cannot read the directory ", dir, ": ", std::strerror(errno));
-  std::vector<std::string> out;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string_view name = e->d_name;
-    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
-    struct stat st {};
-    const std::string full = concat(dir, "/", name);
-    if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    out.emplace_back(name.substr(prefix.size()));
-  }
-  ::closedir(d);
-  return out;
-}
-#endif  // DDP_BODIES
 
 /// Whether process `pid` has ended on this host: it does not exist, or is a zombie (dead, not yet
 /// reaped by its parent). A process of another user counts as running.
 DDP_INLINE bool process_gone(long pid) noexcept;
-#if DDP_BODIES
-DDP_INLINE bool process_gone(long pid) noexcept {
-  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  char buf[512];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return false;
-  buf[n] = '\0';
-  const char* paren =
-      std::strrchr(buf, ')');  // "<pid> (<name>) <state> ...": the name may hold ')'
-  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
-}
-#endif  // DDP_BODIES
 
 /// Removes the temporaries "<family>.tmp.<pid>[.<anything>]" (StagedFile's, and the older
 /// "<path>.tmp.<pid>") that a process killed mid-save left behind: those whose process has ended
 /// on this host (a zombie included) and that nobody holds locked. Best effort; never throws.
 DDP_INLINE void remove_abandoned(const std::string& family) noexcept;
-#if DDP_BODIES
-DDP_INLINE void remove_abandoned(const std::string& family) noexcept {
-  const std::string dir = parent_dir(family);
-  const std::string prefix = base_name(family) + ".tmp.";
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return;
-  const int dfd = ::dirfd(d);
-  while (const dirent* e = ::readdir(d)) {
-    const std::string_view name = e->d_name;
-    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
-    std::string_view rest = name.substr(prefix.size());
-    const std::size_t dot = rest.find('.');
-    const std::string_view pid_text = rest.substr(0, dot);
-    if (pid_text.empty() || pid_text.size() > 9 ||
-        pid_text.find_first_not_of("0123456789") != std::string_view::npos)
-      continue;
-    long pid = 0;
-    for (const char c : pid_text) pid = pid * 10 + (c - '0');
-    if (pid <= 0 || !process_gone(pid)) continue;  // its process still runs: not abandoned
-    const int fd = ::openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat st {};
-    const bool ours = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid();
-    if (ours && ::flock(fd, LOCK_EX | LOCK_NB) == 0) (void)::unlinkat(dfd, e->d_name, 0);
-    ::close(fd);
-  }
-  ::closedir(d);
-}
-#endif  // DDP_BODIES
 
 /// A temporary file "<family>.tmp.<pid>.<16 hex digits>" in family's directory, created with
 /// O_EXCL | O_NOFOLLOW (a link or anything else planted under its name is never written through;
@@ -22005,7 +22440,121 @@ class StagedFile {
   int fd_ = -1;
 };
 
+}  // namespace detail
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/detail/impl/files.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/files.hpp>'s non-template functions. That header includes this file at
+// its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string parent_dir(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+
+DDP_INLINE std::string base_name(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+DDP_INLINE const char* file_kind(mode_t m) noexcept {
+  if (S_ISREG(m)) return nullptr;
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m) || S_ISBLK(m)) return "a device";
+  return "not a regular file";
+}
+
+DDP_INLINE const char* non_regular(const std::string& path) noexcept {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    return nullptr;  // nothing there (or unreachable: the
+                     // open or rename that follows says why)
+  return file_kind(st.st_mode);
+}
+
+DDP_INLINE int sync_dir(const std::string& dir) noexcept {
+  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
+  if (d < 0) return 0;  // e.g. no read permission on the directory: nothing to flush through
+  const int rc = ::fsync(d);
+  const int err = rc == 0 ? 0 : errno;
+  ::close(d);
+  return err == EINVAL || err == EROFS || err == EBADF ? 0 : err;
+}
+
+DDP_INLINE std::vector<std::string> suffixes(const std::string& stem) {
+  const std::string dir = parent_dir(stem);
+  const std::string prefix = base_name(stem) + ".";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr)
+    fail(Errc::system, "cannot read the directory ", dir, ": ", std::strerror(errno));
+  std::vector<std::string> out;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    struct stat st {};
+    const std::string full = concat(dir, "/", name);
+    if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    out.emplace_back(name.substr(prefix.size()));
+  }
+  ::closedir(d);
+  return out;
+}
+
+DDP_INLINE bool process_gone(long pid) noexcept {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  const char* paren =
+      std::strrchr(buf, ')');  // "<pid> (<name>) <state> ...": the name may hold ')'
+  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+DDP_INLINE void remove_abandoned(const std::string& family) noexcept {
+  const std::string dir = parent_dir(family);
+  const std::string prefix = base_name(family) + ".tmp.";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;
+  const int dfd = ::dirfd(d);
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) continue;
+    std::string_view rest = name.substr(prefix.size());
+    const std::size_t dot = rest.find('.');
+    const std::string_view pid_text = rest.substr(0, dot);
+    if (pid_text.empty() || pid_text.size() > 9 ||
+        pid_text.find_first_not_of("0123456789") != std::string_view::npos)
+      continue;
+    long pid = 0;
+    for (const char c : pid_text) pid = pid * 10 + (c - '0');
+    if (pid <= 0 || !process_gone(pid)) continue;  // its process still runs: not abandoned
+    const int fd = ::openat(dfd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    const bool ours = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid();
+    if (ours && ::flock(fd, LOCK_EX | LOCK_NB) == 0) (void)::unlinkat(dfd, e->d_name, 0);
+    ::close(fd);
+  }
+  ::closedir(d);
+}
+
 DDP_INLINE StagedFile::StagedFile(const std::string& family, std::string what)
     : what_(std::move(what)) {
   for (int attempt = 0;; ++attempt) {
@@ -22071,175 +22620,13 @@ DDP_INLINE void StagedFile::discard() noexcept {
   name_.clear();
   if (fd_ >= 0) ::close(std::exchange(fd_, -1));
 }
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+// end ddp/detail/impl/files.ipp
+#endif
 // end ddp/detail/files.hpp
 // #include "ddp/error.hpp" (already included above)
-// begin ddp/training/checkpoint.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Checkpoint: a training run's state as named sections (parameters, the optimizer's state,
-/// the sampler's position, the step, seeds), saved atomically and verified when loaded.
-///
-///     ddp::Checkpoint ck;
-///     ck.put_values("w", weights);                       // contiguous trivially copyable values
-///     ck.put_object("step", step);                       // anything ddp::codec encodes
-///     ck.put_object("sampler", sampler.state(consumed));
-///     ddp::save_checkpoint(comm, ck, "run.ckpt");        // collective: rank 0 writes
-///     ...
-///     if (auto ck = ddp::load_checkpoint(comm, "run.ckpt")) {   // collective: every rank gets it
-///       ck->get_values("w", std::span(weights));
-///       sampler.restore(ck->get_object<ddp::SamplerState>("sampler"));
-///     }
-///
-/// The file: "DDPCKPT1", the section count, each section's name and length, the sections' bytes,
-/// then a 64-bit checksum of everything before it. save() writes a temporary file next to the
-/// target (created exclusively under an unpredictable name, never through a link), fsyncs it,
-/// renames it over the target and fsyncs the directory, so a crash at any moment leaves the old
-/// checkpoint or the new one, never a mixture; a temporary file that a killed save left behind is
-/// removed by the next save. Something other than a regular file at the path (a symbolic link, a
-/// FIFO, a directory) is refused, never written through or waited on. load() refuses a file that is
-/// not a checkpoint, is truncated, or whose checksum differs (Errc::protocol, naming the file and
-/// what is wrong). The checksum catches corruption, not tampering: a checkpoint is as trusted as
-/// the directory it lives in.
-
-// #include "ddp/codec.hpp" (already included above)
-// #include "ddp/comm/timeline.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/detail/files.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/training/partition.hpp" (already included above)
-// begin ddp/training/shard_layout.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ShardLayout: how one rank's shard of some arrays is laid out (the arrays' sizes and the pieces
-/// it holds), and its encoding in a sharded checkpoint section's companion ("ddp.sharded.<name>").
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// Elements [offset, offset + size) of array number `array`: one piece of a rank's shard.
-struct ShardRange {
-  std::size_t array = 0;   ///< Which array (a parameter's index, for ShardedAverager).
-  std::size_t offset = 0;  ///< The piece's first element within the array.
-  std::size_t size = 0;    ///< Its element count.
-  /// Equal when all three are.
-  friend bool operator==(const ShardRange&, const ShardRange&) = default;
-};
-
-/// How one rank's shard of some arrays is laid out: every array's element count, and the pieces
-/// this rank holds, in the order its values are stored. A sharded section of a checkpoint records
-/// it (Checkpoint::put_sharded), so that load_sharded_checkpoint can cut the arrays again for
-/// another world size. ShardedAverager::layout() is its shard's.
-struct ShardLayout {
-  std::vector<std::size_t> sizes;  ///< Element count of array 0, 1, ...
-  std::vector<ShardRange> ranges;  ///< This rank's pieces, in the order of its values.
-
-  /// Elements held: the pieces' sizes added up.
-  [[nodiscard]] std::size_t elements() const noexcept;
-  /// Rank `rank` of `world`'s share when each array is cut into `world` contiguous blocks, the
-  /// first size % world of them one element longer (a block may be empty): the layout
-  /// load_sharded_checkpoint gives a section on a world size other than the one that saved it.
-  [[nodiscard]] static ShardLayout even(std::vector<std::size_t> sizes, int rank, int world);
-  /// Equal when the sizes and the pieces (in order) are.
-  friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
-};
-
-#if DDP_BODIES
-DDP_INLINE std::size_t ShardLayout::elements() const noexcept {
-  std::size_t n = 0;
-  for (const ShardRange& r : ranges) n += r.size;
-  return n;
-}
-
-DDP_INLINE ShardLayout ShardLayout::even(std::vector<std::size_t> sizes, int rank, int world) {
-  if (world < 1 || rank < 0 || rank >= world)
-    detail::fail(Errc::invalid_argument, "ShardLayout::even: rank ", rank, " of ", world, " ranks");
-  ShardLayout out;
-  const auto p = static_cast<std::size_t>(world), r = static_cast<std::size_t>(rank);
-  for (std::size_t a = 0; a < sizes.size(); ++a) {
-    const std::size_t n = sizes[a], base = n / p, extra = n % p;
-    const std::size_t size = base + (r < extra ? 1 : 0);
-    if (size != 0) out.ranges.push_back({a, r * base + std::min(r, extra), size});
-  }
-  out.sizes = std::move(sizes);
-  return out;
-}
-#endif  // DDP_BODIES
-
-namespace detail {
-/// The companion section of sharded section `name`: its element size and layout.
-inline std::string layout_section(std::string_view name) { return concat("ddp.sharded.", name); }
-/// A layout and its element size as words: bytes, array count, sizes, then (array, offset, size)
-/// per piece.
-DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes, const ShardLayout& l);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::uint64_t> layout_words(std::size_t element_bytes,
-                                                   const ShardLayout& l) {
-  std::vector<std::uint64_t> w{element_bytes, l.sizes.size()};
-  w.insert(w.end(), l.sizes.begin(), l.sizes.end());
-  for (const ShardRange& r : l.ranges) w.insert(w.end(), {r.array, r.offset, r.size});
-  return w;
-}
-#endif  // DDP_BODIES
-/// Errc::invalid_argument (`what`: where it came from) unless `l`'s pieces lie within its arrays.
-DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what);
-#if DDP_BODIES
-DDP_INLINE void check_layout(const ShardLayout& l, std::string_view what) {
-  for (const ShardRange& r : l.ranges) {
-    if (r.array >= l.sizes.size() || r.offset > l.sizes[r.array] ||
-        r.size > l.sizes[r.array] - r.offset)
-      fail(Errc::invalid_argument, what, ": the piece [", r.offset, ", ", r.offset + r.size,
-           ") of array ", r.array, " lies outside the ", l.sizes.size(), " arrays' sizes");
-  }
-}
-#endif  // DDP_BODIES
-/// layout_words back: the element size and the layout; Errc::protocol when malformed.
-DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
-                                                               std::string_view what);
-#if DDP_BODIES
-DDP_INLINE std::pair<std::size_t, ShardLayout> layout_of_words(const std::vector<std::uint64_t>& w,
-                                                               std::string_view what) {
-  const auto bad = [&] {
-    fail(Errc::protocol, what, ": the layout of a sharded section is damaged");
-  };
-  if (w.size() < 2 || w[0] == 0 || w[1] > w.size() - 2 || (w.size() - 2 - w[1]) % 3 != 0) bad();
-  ShardLayout l;
-  const auto arrays = static_cast<std::size_t>(w[1]);
-  l.sizes.assign(w.begin() + 2, w.begin() + 2 + static_cast<std::ptrdiff_t>(arrays));
-  for (std::size_t i = 2 + arrays; i < w.size(); i += 3)
-    l.ranges.push_back({w[i], w[i + 1], w[i + 2]});
-  try {
-    check_layout(l, what);
-  } catch (const Error&) {
-    bad();
-  }
-  return {static_cast<std::size_t>(w[0]), std::move(l)};
-}
-#endif  // DDP_BODIES
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/shard_layout.hpp
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -22503,7 +22890,90 @@ class Checkpoint {
     std::vector<std::pair<std::string, std::string>> sections_;
 };
 
+namespace detail {
+/// "<errc number> <message>" of an Error, to send to the other ranks.
+inline std::string error_text(const Error& e) {
+  return concat(static_cast<int>(e.code()), " ", e.what());
+}
+/// Fails on this rank with the error `text` (error_text) that rank `from` relayed: its code, and
+/// "rank <this>: <what>: rank <from> <how>: <its message>".
+template <class Comm>
+[[noreturn]] void fail_relayed(Comm& comm, const std::string& text, const char* what,
+                               std::size_t from, const char* how) {
+  const std::size_t space = text.find(' ');
+  fail(static_cast<Errc>(std::stoi(text.substr(0, space))), "rank ", comm.rank(), ": ", what,
+       ": rank ", from, " ", how, ": ", text.substr(space + 1));
+}
+/// Fails with the first rank's error in `errors` (gathered from every rank), if there is one.
+template <class Comm>
+void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const char* what) {
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) fail_relayed(comm, errors[r], what, r, "failed");
+}
+
+/// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
+/// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
+DDP_INLINE void check_directory(const std::string& path, const char* what);
+}  // namespace detail
+
+/// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
+/// file is complete, or fails with root's error.
+template <class Comm>
+void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, int root = 0) {
+  std::string error;  // "<errc number> <message>", empty when it worked
+  if (comm.rank() == root) {
+    try {
+      ck.save(path);
+    } catch (const Error& e) {
+      error = detail::error_text(e);
+    }
+  }
+  comm.broadcast_object(error, root);
+  if (!error.empty())
+    detail::fail_relayed(comm, error, "save_checkpoint", static_cast<std::size_t>(root),
+                         "could not save");
+}
+
+/// Collective: rank `root` loads and verifies `path`, and every rank gets the same checkpoint
+/// (broadcast); std::nullopt on every rank when there is no file (a run that starts afresh).
+/// Fails on every rank with root's error when the file is not a valid checkpoint.
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_checkpoint(Comm& comm, const std::string& path,
+                                                        int root = 0) {
+  std::string state;  // "ok", "none", or "<errc number> <message>"
+  std::string bytes;
+  if (comm.rank() == root) {
+    try {
+      detail::check_directory(path, "Checkpoint");
+      const auto ck = Checkpoint::load(path);
+      state = ck ? "ok" : "none";
+      if (ck) bytes = ck->serialize();
+    } catch (const Error& e) {
+      state = detail::error_text(e);
+    }
+  }
+  comm.broadcast_object(state, root);
+  if (state == "none") return std::nullopt;
+  if (state != "ok")
+    detail::fail_relayed(comm, state, "load_checkpoint", static_cast<std::size_t>(root),
+                         "could not load");
+  comm.broadcast_object(bytes, root);
+  return Checkpoint::parse(bytes, path);
+}
+
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/checkpoint/impl/checkpoint.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/checkpoint/checkpoint.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
 DDP_INLINE Checkpoint& Checkpoint::put(std::string_view name, std::span<const std::byte> bytes) {
   if (name.starts_with("ddp.type."))
     detail::fail(Errc::invalid_argument, "Checkpoint: the section name \"", name,
@@ -22755,33 +23225,11 @@ DDP_INLINE std::uint64_t Checkpoint::checksum(const char* data, std::size_t n) {
   h *= 0xbf58476d1ce4e5b9ull;
   return h ^ (h >> 32);
 }
-#endif  // DDP_BODIES
+DDP_END_NAMESPACE
 
+DDP_BEGIN_NAMESPACE
 namespace detail {
-/// "<errc number> <message>" of an Error, to send to the other ranks.
-inline std::string error_text(const Error& e) {
-  return concat(static_cast<int>(e.code()), " ", e.what());
-}
-/// Fails on this rank with the error `text` (error_text) that rank `from` relayed: its code, and
-/// "rank <this>: <what>: rank <from> <how>: <its message>".
-template <class Comm>
-[[noreturn]] void fail_relayed(Comm& comm, const std::string& text, const char* what,
-                               std::size_t from, const char* how) {
-  const std::size_t space = text.find(' ');
-  fail(static_cast<Errc>(std::stoi(text.substr(0, space))), "rank ", comm.rank(), ": ", what,
-       ": rank ", from, " ", how, ": ", text.substr(space + 1));
-}
-/// Fails with the first rank's error in `errors` (gathered from every rank), if there is one.
-template <class Comm>
-void fail_with_first(Comm& comm, const std::vector<std::string>& errors, const char* what) {
-  for (std::size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty()) fail_relayed(comm, errors[r], what, r, "failed");
-}
 
-/// A load from `path` whose directory does not exist is a wrong path, not a fresh start:
-/// Errc::invalid_argument naming it (the save at the end of the first epoch would fail anyway).
-DDP_INLINE void check_directory(const std::string& path, const char* what);
-#if DDP_BODIES
 DDP_INLINE void check_directory(const std::string& path, const char* what) {
   const std::string dir = parent_dir(path);
   struct stat st {};
@@ -22789,56 +23237,14 @@ DDP_INLINE void check_directory(const std::string& path, const char* what) {
     fail(Errc::invalid_argument, what, ": the directory ", dir, " of ", path,
          " does not exist; create it, or correct the path");
 }
-#endif  // DDP_BODIES
+
 }  // namespace detail
-
-/// Collective: rank `root` saves `ck` to `path` (Checkpoint::save); every rank returns once the
-/// file is complete, or fails with root's error.
-template <class Comm>
-void save_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path, int root = 0) {
-  std::string error;  // "<errc number> <message>", empty when it worked
-  if (comm.rank() == root) {
-    try {
-      ck.save(path);
-    } catch (const Error& e) {
-      error = detail::error_text(e);
-    }
-  }
-  comm.broadcast_object(error, root);
-  if (!error.empty())
-    detail::fail_relayed(comm, error, "save_checkpoint", static_cast<std::size_t>(root),
-                         "could not save");
-}
-
-/// Collective: rank `root` loads and verifies `path`, and every rank gets the same checkpoint
-/// (broadcast); std::nullopt on every rank when there is no file (a run that starts afresh).
-/// Fails on every rank with root's error when the file is not a valid checkpoint.
-template <class Comm>
-[[nodiscard]] std::optional<Checkpoint> load_checkpoint(Comm& comm, const std::string& path,
-                                                        int root = 0) {
-  std::string state;  // "ok", "none", or "<errc number> <message>"
-  std::string bytes;
-  if (comm.rank() == root) {
-    try {
-      detail::check_directory(path, "Checkpoint");
-      const auto ck = Checkpoint::load(path);
-      state = ck ? "ok" : "none";
-      if (ck) bytes = ck->serialize();
-    } catch (const Error& e) {
-      state = detail::error_text(e);
-    }
-  }
-  comm.broadcast_object(state, root);
-  if (state == "none") return std::nullopt;
-  if (state != "ok")
-    detail::fail_relayed(comm, state, "load_checkpoint", static_cast<std::size_t>(root),
-                         "could not load");
-  comm.broadcast_object(bytes, root);
-  return Checkpoint::parse(bytes, path);
-}
-
 DDP_END_NAMESPACE
-// end ddp/training/checkpoint.hpp
+// end ddp/checkpoint/impl/checkpoint.ipp
+#endif
+// end ddp/checkpoint/checkpoint.hpp
+// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
 
 #include <cstdio>
 #include <exception>
@@ -22897,7 +23303,19 @@ class AsyncSaver {
   std::thread writer_;
 };
 
+DDP_END_NAMESPACE
+
 #if DDP_BODIES
+// begin ddp/checkpoint/impl/async_checkpoint.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/checkpoint/async_checkpoint.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
 DDP_INLINE AsyncSaver::~AsyncSaver() {
   try {
     wait();
@@ -22968,769 +23386,334 @@ DDP_INLINE void AsyncSaver::write(const std::string& path) noexcept {
     error_ = std::current_exception();
   }
 }
-#endif  // DDP_BODIES
 
 DDP_END_NAMESPACE
-// end ddp/training/async_checkpoint.hpp
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// begin ddp/training/elastic.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Elastic: a fault-tolerant training loop in one object, in the spirit of Horovod's
-/// `hvd.elastic.run` and torchft's Manager. It owns the communicator and a TrainingState, runs
-/// the program's step function, commits after every step, and on a lost rank catches the
-/// failure, shrinks, restores the newest commit on every survivor, makes the program's
-/// averagers again (on_reset) and goes on; it admits the processes waiting to enter at a step
-/// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
-/// together (as many steps as the longest shard needs).
-///
-///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or join() if restarted
-///     job.track_model("net", net).track_sampler("sampler", sampler);
-///     std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
-///     job.on_reset([&](auto& comm) { avg.emplace(comm, net); });
-///     job.run_epochs(sampler, epochs, 64, [&](auto& comm, const ddp::ElasticBatch& b) {
-///       forward_backward(net, b.indices); avg->average(); update(net);
-///     });
-///
-/// The lower-level pieces stay available: Communicator::shrink / join / grow, TrainingState.
-
-// #include "ddp/communicator.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+// end ddp/checkpoint/impl/async_checkpoint.ipp
 #endif
-// #include "ddp/environment.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/training/partition.hpp" (already included above)
-// begin ddp/training/state.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::TrainingState: the state a fault-tolerant training loop keeps, committed step by step, so
-/// that after a membership change (Communicator::shrink) every member goes on from the same last
-/// committed step: no step lost, none applied twice or half. In the spirit of Horovod Elastic's
-/// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
-///
-///     ddp::TrainingState state;
-///     state.track_model("model", net).track("adam.m", adam.m).track_object("done", done);
-///     state.start(comm);                        // rank 0's state everywhere: committed step 0
-///     for (;;) {
-///       try {
-///         for (; step < steps; ++step) {
-///           ...; avg.average(); adam.step(net);
-///           done = step + 1;                    // the steps this commit holds
-///           state.commit(comm);
-///         }
-///         break;
-///       } catch (const ddp::Error& e) {
-///         comm = comm.shrink();                 // the survivors
-///         state.restore(comm);                  // every member: the newest committed step
-///         step = done;                          // go on after it
-///       }
-///     }
-///
-/// commit() first confirms, in one small all_reduce, that every member finished this step (and
-/// is at the same commit), then copies the tracked state aside (host memory). A failure in the
-/// step (before commit) leaves the previous commit; a failure inside the confirmation can leave
-/// it complete on some members and not on others, but only after every member had finished the
-/// step: restore() then takes the newest commit any member holds, and a member that was still
-/// confirming it holds that state live. restore() sends it from the lowest member that holds it
-/// to every other (broadcast), so the members end bitwise equal, and writes it back into the
-/// tracked buffers and objects.
-
+// end ddp/checkpoint/async_checkpoint.hpp
+// #include "ddp/checkpoint/checkpoint.hpp" (already included above)
 // #include "ddp/codec.hpp" (already included above)
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/options.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// begin ddp/training/parameters.hpp
+// #include "ddp/environment.hpp" (already included above)
+// begin ddp/instances.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// What a model is to the averagers: the Parameter and Model concepts, and how a parameter type
-/// is adapted. A Model is a sized range of parameters, or has parameters() returning one (and
-/// may have buffers(): state such as BatchNorm's running statistics). A parameter has a value and
-/// a gradient, mutable tensors of one floating-point type: members `value` and `grad` (data or
-/// functions), or a ddp::parameter_traits<P> specialization, by which a framework's adapter also
-/// says how its gradients are made and when they are final (ddp/adapters/torch_training.hpp).
+/// The instantiations the separate-compilation mode compiles once: `Communicator<backend::Host>`
+/// (every non-template member: init, the type-erased part of each collective, shrink, grow,
+/// split, ...) is declared `extern template` in every unit and defined in the implementation
+/// unit (<ddp/impl/src.hpp>, or DDP_IMPLEMENTATION with the single header). Header-only, this
+/// header adds nothing: each unit instantiates what it uses, as before.
 
 // #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
+// #include "ddp/backend/host.hpp" (already included above)
+// #include "ddp/communicator.hpp" (already included above)
+
+#ifdef DDP_SEPARATE_COMPILATION
+DDP_BEGIN_NAMESPACE
+#if DDP_BODIES
+template class Communicator<backend::Host>;
+#else
+extern template class Communicator<backend::Host>;
+#endif
+DDP_END_NAMESPACE
+#endif
+// end ddp/instances.hpp
+// begin ddp/observe/logging.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Output for training programs: ddp::Logger prints on rank 0 only (or on every rank, each line
+/// prefixed with its rank), a whole line per write(2) so that ranks sharing a terminal or a log
+/// file never interleave within a line; ddp::Progress draws an epoch's progress bar with the
+/// samples per second of the whole job: redrawn in place on a terminal, a line at every quarter
+/// (or as asked) in a log file, where carriage returns would pile up.
+///
+///     ddp::Logger log(comm.rank());                         // rank 0 prints
+///     ddp::Progress bar(log, "epoch 1/5", sampler.num_samples(), comm.size());
+///     for (...) { ...; bar.update(seen, {{"loss", running_loss}}); }
+///     bar.finish();
+///     log.print("epoch %d: %s", epoch + 1, metrics.reduce(comm).format().c_str());
+///
+/// Why in the library rather than in each example: every data-parallel program needs rank
+/// gating, whole-line writes and a terminal-or-log decision, and gets them subtly wrong on its own
+/// (a bar redrawn into a log file, ranks' half lines mixed); what is drawn stays a few lines here.
+
+// #include "ddp/config.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-#if DDP_HAS_CUDA
-// #include "ddp/cuda.hpp" (already included above)
-#endif
 
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <memory>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
-/// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
-/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook);
-/// point(P&, std::span<T> value, std::span<T> grad) re-points a parameter at other memory (used
-/// by FullyShard, ddp/training/fully_shard.hpp).
-template <class P>
-struct parameter_traits {};
-
-namespace detail {
-
-template <class P>
-concept has_value = (
-    requires(P & p) { parameter_traits<P>::value(p); } || requires(P & p) { p.value(); } ||
-    requires(P & p) { p.value; });
-template <class P>
-concept has_grad = (
-    requires(P & p) { parameter_traits<P>::grad(p); } || requires(P & p) { p.grad(); } ||
-    requires(P & p) { p.grad; });
-
-template <has_value P>
-decltype(auto) param_value(P& p) {
-  if constexpr (requires { parameter_traits<P>::value(p); })
-    return parameter_traits<P>::value(p);
-  else if constexpr (requires { p.value(); })
-    return p.value();
-  else
-    return (p.value);
-}
-
-template <has_grad P>
-decltype(auto) param_grad(P& p) {
-  if constexpr (requires { parameter_traits<P>::grad(p); })
-    return parameter_traits<P>::grad(p);
-  else if constexpr (requires { p.grad(); })
-    return p.grad();
-  else
-    return (p.grad);
-}
-
-template <class M>
-decltype(auto) model_parameters(M& m) {
-  if constexpr (requires { m.parameters(); })
-    return m.parameters();
-  else
-    return (m);
-}
-
-/// The parameter type of model M.
-template <class M>
-using param_of_t = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>;
-
-/// Creates parameter p's gradient as zeros where the framework makes them lazily (libtorch:
-/// before the first backward, or after zero_grad() set them to None), before the averager reads
-/// it: parameter_traits<P>::ensure_grad(p), where defined.
-template <class P>
-void ensure_grad(P& p) {
-  if constexpr (requires { parameter_traits<P>::ensure_grad(p); })
-    parameter_traits<P>::ensure_grad(p);
-}
-
-/// Parameter p's rows when its values are seen as a matrix, row-major (torch: p.size(0) of a
-/// tensor of 2 or more dimensions, the rest making the columns): parameter_traits<P>::rows(p) or
-/// p.rows(), where defined; 0 (a vector) otherwise. Comm hooks that work on matrices (PowerSGD)
-/// read it from BucketPiece::rows.
-template <class P>
-std::size_t param_rows(P& p) {
-  if constexpr (requires { parameter_traits<P>::rows(p); })
-    return static_cast<std::size_t>(parameter_traits<P>::rows(p));
-  else if constexpr (requires { p.rows(); })
-    return static_cast<std::size_t>(p.rows());
-  else
-    return 0;
-}
-
-/// Gradients a framework makes lazily: parameter_traits<P>::has_grad(p) says whether p has one
-/// yet. The averager then looks it up when its bucket starts (made by then, or the parameter was
-/// unused this step and gets zeros) instead of making zeros for backward to add into.
-template <class P>
-concept lazy_grad = requires(P& p) {
-  parameter_traits<P>::ensure_grad(p);
-  { parameter_traits<P>::has_grad(p) } -> std::convertible_to<bool>;
-};
-
-/// The framework calls back when p's gradient is final for this backward pass:
-/// parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose destruction
-/// removes the hook (libtorch: a post hook on the gradient's accumulator).
-template <class P>
-concept has_ready_hook = requires(P& p, std::function<void()> f) {
-  {
-    parameter_traits<P>::ready_hook(p, std::move(f))
-    } -> std::convertible_to<std::shared_ptr<void>>;
-};
-
-/// The model has buffers() (state that is not parameters): copied from rank 0 like them.
-template <class M>
-concept has_buffers = requires(M& m) {
-  requires std::ranges::range<decltype(m.buffers())>;
-  requires MutableTensor<std::ranges::range_reference_t<decltype(m.buffers())>>;
-};
-
-template <class T>
-inline constexpr bool is_floating_scalar_v =
-    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
-    std::is_same_v<T, bfloat16>;
-
-template <class P>
-using value_of_t = decltype(param_value(std::declval<P&>()));
-template <class P>
-using grad_of_t = decltype(param_grad(std::declval<P&>()));
-
-/// Value and gradient typed at compile time: the same floating-point element type.
-template <class P>
-concept typed_parameter =
-    !DynamicTensor<value_of_t<P>> && !DynamicTensor<grad_of_t<P>> &&
-    std::is_same_v<tensor_value_t<value_of_t<P>>, tensor_value_t<grad_of_t<P>>> &&
-    is_floating_scalar_v<tensor_value_t<grad_of_t<P>>>;
-
-/// Value and gradient typed at run time (a framework's tensors): checked at construction.
-template <class P>
-concept dynamic_parameter = DynamicTensor<value_of_t<P>> && DynamicTensor<grad_of_t<P>>;
-
-}  // namespace detail
-
-/// A parameter: a value and a gradient, mutable tensors of the same floating-point type (checked
-/// when the averager is made, for tensors typed at run time).
-template <class P>
-concept Parameter = requires(P& p) {
-  { detail::param_value(p) } -> MutableTensor;
-  { detail::param_grad(p) } -> MutableTensor;
-}
-&&(detail::typed_parameter<P> || detail::dynamic_parameter<P>);
-
-/// A model: a sized range of Parameters, or something whose parameters() returns one.
-template <class M>
-concept Model = requires(M& m) {
-  requires std::ranges::sized_range<decltype(detail::model_parameters(m))>;
-  requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
-};
-
-namespace detail {
-
-/// True when M is a Model; otherwise the first error the compiler prints says what to change
-/// (the averagers' deduction guides use it), instead of 50 lines of unsatisfied constraints.
-template <class M>
-consteval bool explain_model() {
-  if constexpr (Model<M>) {
-    return true;
-  } else if constexpr (requires(M & m) {
-                         m.get();
-                         *m;
-                         requires Model<std::remove_reference_t<decltype(*m)>>;
-                       }) {
-    static_assert(
-        always_false<M>,
-        "ddp: pass the model itself, *model: this is a pointer to it (a std::shared_ptr, "
-        "or libtorch's TORCH_MODULE holder); the averager keeps a reference to the model");
-  } else if constexpr (!requires(M & m) {
-                         requires std::ranges::sized_range<decltype(model_parameters(m))>;
-                       }) {
-    static_assert(always_false<M>,
-                  "ddp: this is not a model ddp knows: give the averager a sized range of "
-                  "parameters (e.g. std::vector<P>), or an object whose parameters() returns "
-                  "one (a torch::nn::Module with ddp/adapters/torch.hpp)");
-  } else {
-    static_assert(always_false<M>,
-                  "ddp: the model's parameters are not ddp::Parameters: each needs a value and a "
-                  "grad, mutable tensors of one floating-point type, as members (.value, .grad "
-                  "or value(), grad()) or through a specialization of ddp::parameter_traits<P> "
-                  "with static value(P&) and grad(P&) (ddp/training/parameters.hpp)");
-  }
-  return false;
-}
-
-/// What an averager of a type that is not a Model is deduced to, after the error that says why:
-/// a valid model, whose averager takes any argument (a constructor declared, never defined), so
-/// that the compiler stops at that one error instead of listing every constructor it tried.
-struct rejected_parameter {
-  std::vector<float> value, grad;  ///< a Parameter's members
-};
-/// See rejected_parameter.
-struct rejected_model : std::vector<rejected_parameter> {};
-
-/// An averager's model type: M when it is a Model, else a compile error that says why (the
-/// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
-/// the reason first, and nothing after it).
-template <class M>
-using model_t = std::conditional_t<explain_model<M>(), M, rejected_model>;
-
-/// The element type an averager of M uses by default: the gradients' type, or float32 where it
-/// is known only at run time (then checked at construction) or where P is no Parameter (the
-/// deduction guide has then said why).
-template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P> || !Parameter<P>>
-struct model_element {
-  using type = tensor_value_t<grad_of_t<P>>;
-};
-template <class M, class P>
-struct model_element<M, P, true> {
-  using type = float;
-};
-
-/// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
-template <class T, class X>
-TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what, const char* who) {
-  const auto v = ddp::view(x);
-  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
-    if (v.problem != nullptr || !v.contiguous)
-      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
-           " cannot be used: ", v.problem != nullptr ? v.problem : "it is not contiguous");
-    if (v.dtype != dtype_of<T>)
-      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
-           to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
-           who, " takes one floating-point dtype per model");
-    return {static_cast<T*>(v.data), v.size, v.device, v.stream};
-  } else {
-    return {v.data, v.size, v.device, v.stream};
-  }
-}
-
-/// Every rank has the same parameters (count, element type T, sizes) and the same `options`
-/// (bucket_bytes, first_bucket_bytes, in_place_bytes, broadcast_parameters, compression, the
-/// fields of `options_name`): Errc::mismatch names the first difference and the ranks.
-/// Collective.
-template <class T, class Comm>
-void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
-                           const std::vector<TensorView<T>>& grads, const char* who,
-                           const char* options_name, std::array<std::uint64_t, 5> options) {
-  std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
-  sig.insert(sig.end(), options.begin(), options.end());
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].size != values[i].size)
-      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
-           values[i].size, " values but ", grads[i].size, " gradients");
-    sig.push_back(grads[i].size);
-  }
-  static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
-                                          "broadcast_parameters", "compression"};
-  const auto all = comm.all_gather_object(sig);
-  for (std::size_t r = 1; r < all.size(); ++r) {
-    const auto &a = all[0], &b = all[r];
-    const auto differ = [&](const auto&... what) {
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": ", what..., " on rank ", r,
-           "; every rank must build the same model and give the same ", options_name);
-    };
-    if (a[0] != b[0]) differ("rank 0 has ", a[0], " parameters but ", b[0]);
-    if (a[1] != b[1])
-      differ("the gradients are ", to_string(static_cast<DType>(a[1])), " on rank 0 but ",
-             to_string(static_cast<DType>(b[1])));
-    for (std::size_t k = 7; k < a.size(); ++k)
-      if (a[k] != b[k])
-        differ("parameter ", k - 7, " has ", a[k], " elements on rank 0 but ", b[k]);
-    for (std::size_t k = 2; k < 7; ++k)
-      if (a[k] != b[k])
-        differ(options_name, "::", names[k - 2], " is ", a[k], " on rank 0 but ", b[k]);
-  }
-}
-
-#if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
-DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*);
-#if DDP_BODIES
-DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
-  if (n != 0) std::memcpy(dst, src, n);
-}
-#endif  // DDP_BODIES
-DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*);
-#if DDP_BODIES
-DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*) {
-  if (n != 0) std::memset(dst, 0, n);
-}
-#endif  // DDP_BODIES
-inline void sync_stream(bool, void*) {}
-inline void join_streams(bool, void*, void*) {}
-#endif
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/parameters.hpp
-// #include "ddp/training/partition.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
+#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
+#include <cerrno>
+#include <cstdarg>
 #include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-/// Test hook for fault injection: called with the phase of a state transfer reached ("transfer":
-/// the members agreed who sends, before the bytes go); tests kill the process there. Null
-/// outside tests.
-inline void (*&state_phase_hook() noexcept)(const char*) {
-  static void (*hook)(const char*) = nullptr;
-  return hook;
-}
-}  // namespace detail
-
-/// Named training state, committed per step (see the file comment).
-class TrainingState {
- public:
-  /// Tracks a tensor's values (anything ddp::view sees: a std::vector, a span, a torch::Tensor;
-  /// host or CUDA memory), looked up again at every commit and restore (it may be reallocated
-  /// between steps, not resized). `tensor` must outlive this object.
-  template <class T>
-    requires requires(T& t) { ddp::view(t); }
-  TrainingState& track(std::string name, T& tensor) {
-    add(std::move(name), [&tensor] { return raw(ddp::view(tensor)); });
-    return *this;
-  }
-
-  /// Tracks every parameter's value of `model` (what GradientAverager averages), as one piece
-  /// per parameter.
-  template <class M>
-  TrainingState& track_model(const std::string& name, M& model) {
-    std::size_t i = 0;
-    for (auto& p : detail::model_parameters(model)) {
-      add(detail::concat(name, ".", i++), [&p] { return raw(ddp::view(detail::param_value(p))); });
-    }
-    return *this;
-  }
-
-  /// Tracks an object ddp::codec encodes (the step, an epoch, a SamplerState, a seed).
-  template <Encodable T>
-  TrainingState& track_object(std::string name, T& object) {
-    Piece piece;
-    piece.name = new_name(std::move(name));
-    piece.kind = 1;
-    piece.describe = [] { return detail::type_tag<T>(); };
-    piece.save = [&object] { return detail::encode_object(object); };
-    piece.load = [&object](const std::string& bytes) {
-      object = detail::decode_object<T>(bytes.data(), bytes.size());
-    };
-    pieces_.push_back(std::move(piece));
-    return *this;
-  }
-
-  /// Tracks a DistributedSampler's place in its epoch (advance() it after each batch): restored
-  /// with the rest, then, over a new number of ranks, dealt over them
-  /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
-  /// to the ranks that remain; over as many, each rank goes on from the same place.
-  TrainingState& track_sampler(std::string name, DistributedSampler& sampler);
-
-  /// Collective, before the first step: rank 0's tracked state goes to every rank and is
-  /// committed there as step 0.
-  template <ProcessGroup Comm>
-  void start(Comm& comm) {
-    confirming_ = 0;
-    steps_ = 0;
-    snapshot();
-    send_from(comm, 0);
-    for (Piece& p : pieces_)
-      if (p.regroup) p.regroup(comm.size(), comm.rank());
-  }
-
-  /// Collective, at the end of each step: every member confirms it finished this step (Errc::
-  /// mismatch when the members are at different commits), then this rank's state is copied
-  /// aside as the new commit. Returns the commits made since start(). A lost member makes it
-  /// fail as any collective does: then shrink() and restore().
-  template <ProcessGroup Comm>
-  std::uint64_t commit(Comm& comm) {
-    confirming_ = steps_ + 1;
-    // max of the commit and of its complement: the largest and the smallest over the members
-    // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
-    // The third: how many processes wait to join, as rank 0 sees them (Communicator::enter).
-    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
-                           comm.rank() == 0 ? static_cast<double>(poll_entering(comm)) : 0.0};
-    comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
-    entering_ = static_cast<int>(at[2]);
-    if (at[0] != -at[1])
-      detail::fail(Errc::mismatch, "rank ", comm.rank(),
-                   ": TrainingState::commit: this rank commits step ", confirming_,
-                   " but the members are at ", static_cast<long long>(-at[1]), " to ",
-                   static_cast<long long>(at[0]),
-                   ": every member must call commit() once per step (and restore() after a "
-                   "membership change)");
-    snapshot();
-    steps_ = confirming_;
-    confirming_ = 0;
-    return steps_;
-  }
-
-  /// Collective over a new membership (after shrink()): every member ends with the newest
-  /// commit any member holds, written back into the tracked buffers and objects; a member that
-  /// has none of its own (a newcomer, or one further behind) receives it. Returns its number.
-  template <ProcessGroup Comm>
-  std::uint64_t restore(Comm& comm) {
-    const auto all = comm.all_gather_object(std::vector<std::uint64_t>{steps_, confirming_});
-    // A member still confirming commit k had finished step k (every member had: the commit's
-    // collective had begun): its live state is step k, newer than its last commit.
-    std::uint64_t newest = 0;
-    for (const auto& m : all) newest = std::max({newest, m[0], m[1]});
-    int source = 0;
-    while (all[static_cast<std::size_t>(source)][0] != newest &&
-           all[static_cast<std::size_t>(source)][1] != newest)
-      ++source;
-    if (comm.rank() == source && steps_ != newest) snapshot();
-    send_from(comm, source);
-    for (Piece& p : pieces_)
-      if (p.regroup) p.regroup(comm.size(), comm.rank());
-    steps_ = newest;
-    confirming_ = 0;
-    return newest;
-  }
-
-  /// How many processes waited to join the job at the last commit(), the same on every member
-  /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
-  [[nodiscard]] int entering() const noexcept { return entering_; }
-  /// entering()'s older name.
-  [[deprecated("renamed TrainingState::entering()")]] [[nodiscard]] int joining() const noexcept {
-    return entering_;
-  }
-
-  /// Collective over the members, after a commit() whose entering() is not 0: admits the
-  /// processes waiting to enter (Communicator::grow with ticket()), replaces `comm` with the
-  /// grown communicator, and sends every member the last commit (restore()), the newcomers
-  /// included (they call restore() after Communicator::enter). Returns whether the membership
-  /// changed: then re-create the averagers over `comm` (their constructors are collective, and
-  /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
-  /// already the grown one: shrink() it and restore(), as after any failure.
-  template <class Comm>
-  bool grow(Comm& comm) {
-    GrowOptions o;
-    o.ticket = ticket();
-    entering_ = last_waiting_ = 0;
-    Comm grown = comm.grow(o);
-    if (grown.epoch() == comm.epoch()) return false;
-    comm = std::move(grown);
-    restore(comm);
-    return true;
-  }
-
-  /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
-  /// EnterOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
-  /// their type; samplers: the dataset size), in order.
-  [[nodiscard]] std::string ticket() const;
-
-  /// Commits made since start() (after restore(): the commit restored).
-  [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
-  /// Bytes of the copy kept aside (the last commit).
-  [[nodiscard]] std::size_t bytes() const noexcept;
-
- private:
-  struct Raw {
-    void* data = nullptr;
-    std::size_t bytes = 0;
-    bool cuda = false;
-    void* stream = nullptr;
-  };
-  struct Piece {
-    std::string name;
-    std::uint8_t kind = 0;                         // 0 a tensor, 1 an object, 2 a sampler
-    std::function<std::uint64_t()> describe;       // what must agree: object type, dataset size
-    std::function<Raw()> where;                    // a tensor: its memory now
-    std::function<std::string()> save;             // an object: encoded
-    std::function<void(const std::string&)> load;  // an object: decoded back
-    std::function<void(int, int)> regroup;         // a sampler: dealt over (size, rank)
-    std::string saved;                             // the last commit
-  };
-
-  template <class V>
-  static Raw raw(const V& v) {
-    if constexpr (std::is_same_v<V, DynamicView>) {
-      return {v.data, v.size * size_of(v.dtype), v.device.is_cuda(), v.stream};
-    } else {
-      return {const_cast<void*>(static_cast<const void*>(v.data)), v.bytes(), v.device.is_cuda(),
-              v.stream};
-    }
-  }
-
-  std::string new_name(std::string name) const;
-
-  void add(std::string name, std::function<Raw()> where);
-
-  /// The tracked state now, copied aside.
-  void snapshot();
-
-  /// Rank `root`'s copy aside to every member, then written back into the tracked state on
-  /// every member. The members first compare the sizes of their tensors (every member fails
-  /// alike, naming the first that differs, when they do not track the same state).
-  template <ProcessGroup Comm>
-  void send_from(Comm& comm, int root) {
-    // Every member's pieces: name, kind, what must agree, and (tensors) bytes now and at the
-    // commit; every member checks them alike, so all fail together, naming the first that
-    // differs.
-    using Desc = std::pair<std::string, std::vector<std::uint64_t>>;
-    std::vector<Desc> mine;
-    for (const Piece& p : pieces_) {
-      const std::uint64_t now = p.where ? p.where().bytes : p.describe();
-      mine.push_back({p.name, {p.kind, now, p.saved.size()}});
-    }
-    const auto all = comm.all_gather_object(mine);
-    const auto& theirs = all[static_cast<std::size_t>(root)];
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      const auto differ = [&](const auto&... why) {
-        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: ", why...,
-                     ": every member must track the same state (the same names, model, optimizer "
-                     "and types, in the same order), and a tracked tensor must keep its size");
-      };
-      if (all[r].size() != theirs.size())
-        differ("rank ", r, " tracks ", all[r].size(), " pieces but rank ", root, " tracks ",
-               theirs.size());
-      for (std::size_t i = 0; i < theirs.size(); ++i) {
-        const auto& [name, d] = all[r][i];
-        const auto& [root_name, rd] = theirs[i];
-        if (name != root_name || d[0] != rd[0])
-          differ("piece ", i, " is \"", name, "\" on rank ", r, " but \"", root_name, "\" on rank ",
-                 root, " (or of another kind)");
-        if (d[0] == 0 && d[1] != rd[2])
-          differ("\"", name, "\" holds ", d[1], " bytes on rank ", r, " but ", rd[2],
-                 " were committed on rank ", root);
-        if (d[0] != 0 && d[1] != rd[1])
-          differ("\"", name, "\" is ",
-                 d[0] == 1 ? "an object of another type" : "a sampler of another dataset size",
-                 " on rank ", r, " than on rank ", root);
-      }
-    }
-    if (detail::state_phase_hook() != nullptr) detail::state_phase_hook()("transfer");
-    for (Piece& p : pieces_) {
-      std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
-      comm.broadcast_host(std::span<std::int64_t>(size), root);
-      p.saved.resize(static_cast<std::size_t>(size[0]));
-      if (!p.saved.empty()) {
-        comm.broadcast_host(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(p.saved.data()),
-                                                    p.saved.size()),
-                            root);
-      }
-      if (p.load) {
-        p.load(p.saved);
-      } else {
-        const Raw r = p.where();
-        detail::copy_bytes(r.data, p.saved.data(), r.bytes, r.cuda, r.stream);
-        detail::sync_stream(r.cuda, r.stream);
-      }
-    }
-  }
-
-  // Rank 0's look at the processes waiting to enter, at most every 50 ms.
-  template <class Comm>
-  int poll_entering(Comm& comm) {
-    if constexpr (requires { comm.waiting_to_enter(); }) {
-      const auto now = std::chrono::steady_clock::now();
-      if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
-      polled_ = now;
-      last_waiting_ = comm.waiting_to_enter();
-      return last_waiting_;
-    }
-    return 0;
-  }
-
-  std::vector<Piece> pieces_;
-  int entering_ = 0, last_waiting_ = 0;
-  std::chrono::steady_clock::time_point polled_{};
-  std::uint64_t steps_ = 0;       // commits made (since start)
-  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
-};
-
-#if DDP_BODIES
-DDP_INLINE TrainingState& TrainingState::track_sampler(std::string name,
-                                                       DistributedSampler& sampler) {
-  Piece piece;
-  piece.name = new_name(std::move(name));
-  piece.kind = 2;
-  piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
-  piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
-  piece.load = [&sampler](const std::string& bytes) {
-    const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
-    sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
-                                 static_cast<int>(s.num_replicas), 0, sampler.options());
-    sampler.restore(s);
-  };
-  piece.regroup = [&sampler](int size, int rank) {
-    const SamplerState s = sampler.state();
-    if (s.num_replicas != static_cast<std::uint64_t>(size)) {
-      sampler.repartition(size, rank);
-    } else {  // as many ranks: each takes its positions from the same place on
-      sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
-      sampler.restore(s);
-    }
-  };
-  pieces_.push_back(std::move(piece));
-  return *this;
-}
-
-DDP_INLINE std::string TrainingState::ticket() const {
-  std::string t;
-  for (const Piece& p : pieces_) {
-    const char* kind = p.kind == 0   ? " tensor of bytes "
-                       : p.kind == 1 ? " object "
-                                     : " sampler of ";
-    t += detail::concat(t.empty() ? "" : ";", p.name, kind,
-                        p.where ? p.where().bytes : p.describe());
-  }
-  return t;
-}
-
-DDP_INLINE std::size_t TrainingState::bytes() const noexcept {
-  std::size_t n = 0;
-  for (const Piece& p : pieces_) n += p.saved.size();
-  return n;
-}
-
-DDP_INLINE std::string TrainingState::new_name(std::string name) const {
-  for (const Piece& p : pieces_)
-    if (p.name == name)
-      detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
-  return name;
-}
-
-DDP_INLINE void TrainingState::add(std::string name, std::function<Raw()> where) {
-  Piece piece;
-  piece.name = new_name(std::move(name));
-  piece.where = std::move(where);
-  pieces_.push_back(std::move(piece));
-}
-
-DDP_INLINE void TrainingState::snapshot() {
-  for (Piece& p : pieces_) {
-    if (p.save) {
-      p.saved = p.save();
-      continue;
-    }
-    const Raw r = p.where();
-    p.saved.resize(r.bytes);
-    detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
-    detail::sync_stream(r.cuda, r.stream);
-  }
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/state.hpp
-
-#include <algorithm>
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
-#include <optional>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+
+DDP_BEGIN_NAMESPACE
+
+/// Where and on which ranks a Logger prints.
+struct LoggerOptions {
+  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix). Under
+  /// ddprun, which prefixes every line with the rank the process started as, a Logger adds
+  /// nothing, or "(now rN) " once shrink() or grow() gave the process another rank.
+  bool every_rank = false;
+  /// The file descriptor lines go to (stdout by default; 2 for stderr).
+  int fd = 1;
+};
+
+/// Prints whole lines on rank 0 (see the file comment). Copyable; no state but the options.
+class Logger {
+ public:
+  /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
+  explicit Logger(int rank, LoggerOptions o = {});
+
+  /// Whether this rank prints.
+  [[nodiscard]] bool enabled() const noexcept { return o_.every_rank || rank_ == 0; }
+  /// Whether the output is a terminal (where Progress redraws in place).
+  [[nodiscard]] bool terminal() const noexcept { return ::isatty(o_.fd) == 1; }
+
+  /// printf-style; a newline is added. One write(2) per line.
+#if defined(__GNUC__)
+  __attribute__((format(printf, 2, 3)))
+#endif
+  void
+  print(const char* format, ...) const {
+    if (!enabled()) return;
+    va_list args;
+    va_start(args, format);
+    std::string line = vformat(format, args);
+    va_end(args);
+    line += '\n';
+    write_all(line);
+  }
+
+  /// Writes `text` as it is (with the rank prefix when every rank prints), in one write(2).
+  void write(std::string_view text) const;
+
+ private:
+  static std::string vformat(const char* format, va_list args);
+
+  void write_all(std::string text) const;
+
+  int rank_;
+  LoggerOptions o_;
+  int started_as_ = -1;  // the RANK ddprun's "[rRANK] " prefix names (-1: no such prefix)
+};
+
+/// An epoch's progress bar (see the file comment): `total` samples on this rank, `world` ranks
+/// (samples per second are the whole job's: this rank's rate times world, ranks being in step).
+class Progress {
+ public:
+  /// A named value shown after the rate, e.g. {"loss", 0.4123}.
+  using Value = std::pair<std::string_view, double>;
+
+  /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
+  /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
+  Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
+           int lines_in_logs = 4);
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+  ~Progress() {
+    if (!finished_) finish();
+  }
+
+  /// `done` of the total samples are processed; redraws when it is time (a terminal: at most 10
+  /// times a second; a log: at each 1/lines_in_logs of the total).
+  void update(std::size_t done, std::initializer_list<Value> values = {});
+
+  /// The final line (100% or wherever it stopped), ending the redrawn one on a terminal.
+  void finish(std::initializer_list<Value> values = {});
+
+ private:
+  void draw(std::chrono::steady_clock::time_point now, std::initializer_list<Value> values,
+            bool last);
+
+  Logger log_;
+  std::string label_;
+  std::size_t total_;
+  int world_;
+  bool terminal_;
+  int lines_;
+  int logged_ = 0;
+  std::size_t done_ = 0;
+  bool finished_ = false;
+  std::chrono::steady_clock::time_point t0_, last_draw_;
+};
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/observe/impl/logging.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/observe/logging.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {
+  const char* prefixed = std::getenv("DDP_OUTPUT_PREFIXED");
+  const char* started = std::getenv("RANK");
+  if (prefixed == nullptr || std::string_view(prefixed) != "1" || started == nullptr) return;
+  char* end = nullptr;
+  const long r = std::strtol(started, &end, 10);
+  if (end != started && *end == '\0' && r >= 0 && r <= std::numeric_limits<int>::max())
+    started_as_ = static_cast<int>(r);
+}
+
+DDP_INLINE void Logger::write(std::string_view text) const {
+  if (enabled()) write_all(std::string(text));
+}
+
+DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
+  va_list again;
+  va_copy(again, args);
+  char small[256];
+  const int n = std::vsnprintf(small, sizeof small, format, args);
+  std::string out;
+  if (n < 0) {
+    out = format;  // a malformed format: print it as it is rather than nothing
+  } else if (static_cast<std::size_t>(n) < sizeof small) {
+    out.assign(small, static_cast<std::size_t>(n));
+  } else {
+    out.resize(static_cast<std::size_t>(n) + 1);
+    std::vsnprintf(out.data(), out.size(), format, again);
+    out.resize(static_cast<std::size_t>(n));
+  }
+  va_end(again);
+  return out;
+}
+
+DDP_INLINE void Logger::write_all(std::string text) const {
+  if (o_.every_rank) {
+    // A prefix after the carriage return of a redrawn line, else at the start. Under ddprun,
+    // whose "[rRANK] " starts every line already, only a rank changed since (shrink, grow).
+    const std::string prefix = started_as_ < 0        ? "[r" + std::to_string(rank_) + "] "
+                               : started_as_ != rank_ ? "(now r" + std::to_string(rank_) + ") "
+                                                      : std::string();
+    text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
+  }
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = ::write(o_.fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // output closed or full: logging never fails the training
+    p += n;
+    left -= static_cast<std::size_t>(n);
+  }
+}
+
+DDP_INLINE Progress::Progress(const Logger& log, std::string label, std::size_t total, int world,
+                              int lines_in_logs)
+    : log_(log),
+      label_(std::move(label)),
+      total_(total),
+      world_(std::max(world, 1)),
+      terminal_(log.enabled() && log.terminal()),
+      lines_(std::max(lines_in_logs, 1)),
+      t0_(std::chrono::steady_clock::now()),
+      last_draw_(t0_) {}
+
+DDP_INLINE void Progress::update(std::size_t done, std::initializer_list<Value> values) {
+  done_ = std::min(done, total_);
+  if (!log_.enabled()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (terminal_) {
+    if (now - last_draw_ < std::chrono::milliseconds(100) && done_ < total_) return;
+  } else {
+    const std::size_t next =
+        total_ * static_cast<std::size_t>(logged_ + 1) / static_cast<std::size_t>(lines_);
+    if (done_ < next || logged_ >= lines_) return;
+    while (logged_ < lines_ && done_ >= total_ * static_cast<std::size_t>(logged_ + 1) /
+                                            static_cast<std::size_t>(lines_))
+      ++logged_;
+  }
+  last_draw_ = now;
+  draw(now, values, false);
+}
+
+DDP_INLINE void Progress::finish(std::initializer_list<Value> values) {
+  finished_ = true;
+  if (!log_.enabled()) return;
+  if (!terminal_ && logged_ >= lines_) return;  // the last quarter's line is already out
+  draw(std::chrono::steady_clock::now(), values, true);
+}
+
+DDP_INLINE void Progress::draw(std::chrono::steady_clock::time_point now,
+                               std::initializer_list<Value> values, bool last) {
+  const double secs = std::chrono::duration<double>(now - t0_).count();
+  const int pct = total_ == 0 ? 100 : static_cast<int>(100 * done_ / total_);
+  char head[160];
+  std::snprintf(head, sizeof head, "%s%s [%-20s] %3d%%  %.0f samples/s", terminal_ ? "\r" : "",
+                label_.c_str(), std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
+                static_cast<double>(done_) * world_ / std::max(secs, 1e-9));
+  std::string line = head;
+  for (const auto& [name, v] : values) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %.*s %.4g", static_cast<int>(name.size()), name.data(), v);
+    line += buf;
+  }
+  if (!terminal_ || last) line += '\n';
+  log_.write(line);
+}
+
+DDP_END_NAMESPACE
+// end ddp/observe/impl/logging.ipp
+#endif
+// end ddp/observe/logging.hpp
+// begin ddp/observe/metrics.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Metrics: named scalars that every rank records during an epoch (a loss, counts of correct
+/// answers, a step time), reduced across ranks in one collective: sums, weighted means, minima and
+/// maxima, the same bits on every rank.
+///
+///     ddp::Metrics m;
+///     m.mean("loss", batch_loss, batch_size);    // weighted: per-sample, not per-rank
+///     m.sum("correct", correct).sum("seen", batch_size);
+///     m.max("step_ms", ms);
+///     const auto r = m.reduce(comm);             // collective: every rank calls it
+///     if (comm.rank() == 0) std::puts(r.format().c_str());   // "loss 0.3412  correct 8923 ..."
+///
+/// reduce() is one all_reduce of a rank-by-metric table (each rank fills its own row, zeros
+/// elsewhere), after which every rank combines the rows in rank order 0..P-1: sums and means
+/// are those ddp's own all_reduce would give (bitwise on backend::Host), and a mean is the sum of
+/// value × weight over every rank's records divided by the sum of the weights (as exact_mean:
+/// ranks with more samples weigh more). Every rank must record the same names, kinds and order;
+/// reduce() compares them (a digest in each row) and fails with Errc::mismatch on every rank,
+/// naming the first rank that differs, instead of mixing up values. It costs 8 × P × (names + 1)
+/// bytes: meant for a handful of metrics per epoch or per log line, not per-element tensors.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23739,550 +23722,923 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
-/// One step of Elastic::run_epochs on this rank.
-struct ElasticBatch {
-  /// This rank's dataset indices for the step: local_batch of them, fewer at the end of its
-  /// shard, none when its shard ran out before the longest (it steps with the others).
-  std::span<const std::size_t> indices;
-  /// The epoch (0-based).
-  int epoch = 0;
-  /// The step in the epoch, counted from where its samples were last dealt (0 at its start, and
-  /// again after a change of membership).
-  std::size_t step = 0;
-  /// This rank's full share of the global batch (the global batch over the ranks, rounded up):
-  /// divide sums by it, not by indices.size(), and a short batch makes a proportionally short
-  /// step.
-  std::size_t local_batch = 0;
+/// How a metric combines across records and ranks.
+enum class MetricKind : std::uint8_t {
+  sum,   ///< the total
+  mean,  ///< Σ value × weight / Σ weight over every record of every rank
+  min,   ///< the smallest value
+  max,   ///< the largest value
 };
 
-/// A change of membership, as Elastic::on_change reports it.
-struct ElasticChange {
-  /// What changed.
-  enum class Kind {
-    started,  ///< the job began (this process made the communicator with init())
-    joined,   ///< this process joined a running job (restarted by the launcher, or added)
-    lost,     ///< ranks were lost: the survivors go on (shrink, restore)
-    grew,     ///< newcomers were admitted
+/// Reduced metrics: the same names, in the order they were first recorded, with their values.
+class MetricValues {
+ public:
+  /// One reduced metric.
+  struct Entry {
+    std::string name;  ///< as recorded
+    MetricKind kind;   ///< how it combined
+    double value;      ///< the reduced value (NaN when no rank recorded one)
+    double weight;     ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
   };
-  /// What changed.
-  Kind kind = Kind::started;
-  int size = 0;              ///< ranks now
-  int previous_size = 0;     ///< ranks before (0 when this process was not in the job)
-  std::uint64_t commit = 0;  ///< the commit every member goes on from
-  double ms = 0;             ///< how long the change took here, from the failure (lost) or call
-  std::string why;           ///< lost: the failure that started it
-};
 
-namespace detail {
-/// ElasticOptions::join_wait, enter_wait's older name: a wait set through it still counts (when
-/// enter_wait is 0), and setting it is deprecated (the warning names the new name), while the
-/// options' own copies and designated initializers of other fields warn of nothing.
-class RenamedWait {
- public:
-  RenamedWait() = default;
-  template <class Rep, class Period>
-  [[deprecated("renamed ElasticOptions::enter_wait")]] RenamedWait(  // NOLINT: implicit
-      std::chrono::duration<Rep, Period> wait)
-      : wait_(std::chrono::duration_cast<std::chrono::milliseconds>(wait)) {}
-  /// The wait set through the old name.
-  [[nodiscard]] std::chrono::milliseconds get() const noexcept { return wait_; }
+  /// The value named `name`; Errc::invalid_argument naming it when there is none.
+  [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
+  /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
+  [[nodiscard]] const Entry& entry(std::string_view name) const;
+  /// Whether a metric named `name` was reduced.
+  [[nodiscard]] bool contains(std::string_view name) const noexcept;
+  /// Every entry, in recording order.
+  [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
+  /// The number of metrics.
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  /// Whether there are none.
+  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
+
+  /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
+  /// (%g), in recording order, two spaces apart.
+  [[nodiscard]] std::string format(int digits = 4) const;
 
  private:
-  std::chrono::milliseconds wait_{0};
-};
-}  // namespace detail
-
-/// Settings of an Elastic loop.
-struct ElasticOptions {
-  /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
-  ShrinkOptions shrink{};
-  /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
-  std::chrono::milliseconds enter_wait{0};
-  /// enter_wait's older name (used when enter_wait is 0); setting it is deprecated.
-  detail::RenamedWait join_wait{};
-  /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
-  int min_size = 1;
-  /// Losses recovered from at most (-1: no limit); the next one is rethrown.
-  int max_recoveries = -1;
-  /// When this process was left out of the job (stopped or cut off past the heartbeat, or
-  /// excluded by the others' shrink: it can never act again), end it: one line on stderr saying
-  /// so and why, then exit with Elastic::left_out_exit_code (a launcher counts it lost, or
-  /// restarts it to rejoin under --on-failure rejoin). False: Elastic rethrows the Errc::aborted
-  /// error instead.
-  bool exit_when_left_out = true;
+  friend class Metrics;
+  [[nodiscard]] std::string names() const;
+  std::vector<Entry> entries_;
 };
 
-/// A fault-tolerant training loop (see the file comment). Track the state first (before comm()
-/// or run), then run.
-template <class Backend>
-class Elastic {
+/// Named scalars recorded on each rank and reduced across ranks in one collective (see the file
+/// comment). Recording is local and cheap; a name keeps the kind it was first recorded with.
+class Metrics {
  public:
-  /// The communicator it owns.
-  using Comm = Communicator<Backend>;
-  /// The exit status of a process the job left out (ElasticOptions::exit_when_left_out):
-  /// EX_TEMPFAIL, a failure that a new attempt (a rejoin) may cure.
-  static constexpr int left_out_exit_code = 75;
+  /// Adds `value` to the sum named `name`.
+  Metrics& sum(std::string_view name, double value);
+  /// Records `value` as the mean of `weight` samples (a batch's mean loss and its size): the
+  /// reduced mean weighs every sample of every rank alike. weight 0 records nothing.
+  Metrics& mean(std::string_view name, double value, double weight = 1.0);
+  /// Keeps the smallest value recorded as `name`.
+  Metrics& min(std::string_view name, double value);
+  /// Keeps the largest value recorded as `name`.
+  Metrics& max(std::string_view name, double value);
 
-  /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
-  /// restarted this process to rejoin, Environment::rejoin) on the first comm() or run.
-  explicit Elastic(Environment env = Environment::detect(), Options options = {},
-                   ElasticOptions elastic = {})
-      : env_(std::move(env)), options_(std::move(options)), eo_(std::move(elastic)) {
-    state_.track_object("ddp.elastic.epoch", epoch_);
-  }
-  Elastic(const Elastic&) = delete;
-  Elastic& operator=(const Elastic&) = delete;
+  /// This rank's own values (not reduced), for per-rank logs.
+  [[nodiscard]] MetricValues local() const;
 
-  /// What survives a loss, as TrainingState tracks it (track, track_model, track_object,
-  /// track_sampler); every process of the job tracks the same, in the same order, before the
-  /// communicator is made.
-  template <class T>
-    requires requires(T& t) { ddp::view(t); }
-  Elastic& track(std::string name, T& tensor) {
-    before_connect("track");
-    state_.track(std::move(name), tensor);
-    return *this;
-  }
-  /// Tracks every parameter of `model` (TrainingState::track_model).
-  template <class M>
-  Elastic& track_model(const std::string& name, M& model) {
-    before_connect("track_model");
-    state_.track_model(name, model);
-    return *this;
-  }
-  /// Tracks an object ddp::codec encodes (TrainingState::track_object).
-  template <Encodable T>
-  Elastic& track_object(std::string name, T& object) {
-    before_connect("track_object");
-    state_.track_object(std::move(name), object);
-    return *this;
-  }
-  /// Tracks a sampler's place in its epoch (TrainingState::track_sampler); run_epochs runs
-  /// over it.
-  Elastic& track_sampler(std::string name, DistributedSampler& sampler) {
-    before_connect("track_sampler");
-    state_.track_sampler(std::move(name), sampler);
-    samplers_.push_back(&sampler);
-    return *this;
-  }
-
-  /// Called with the communicator once it is made and after every change of membership, the
-  /// tracked state restored: make what depends on the communicator again (GradientAverager,
-  /// ShardedAverager: their constructors are collective, and a newcomer makes its own then).
-  Elastic& on_reset(std::function<void(Comm&)> f) {
-    reset_ = std::move(f);
-    return *this;
-  }
-  /// Called after every change of membership (to log it, say).
-  Elastic& on_change(std::function<void(const ElasticChange&)> f) {
-    change_ = std::move(f);
-    return *this;
-  }
-  /// Called with each commit's number once it is made: every member finished that step, which
-  /// no loss can undo (record what the step did, write a checkpoint every N commits). A commit
-  /// that this rank was still confirming when a member was lost, and to which the survivors
-  /// rolled forward, is reported after the recovery.
-  Elastic& on_commit(std::function<void(Comm&, std::uint64_t)> f) {
-    commit_ = std::move(f);
-    return *this;
-  }
-
-  /// The communicator (made on first use; the one of the current membership after a change).
-  [[nodiscard]] Comm& comm() {
-    connect();
-    return *comm_;
-  }
-  /// The tracked state.
-  [[nodiscard]] TrainingState& state() noexcept { return state_; }
-  /// The epoch run_epochs is in (restored with the rest).
-  [[nodiscard]] int epoch() const noexcept { return epoch_; }
-  /// Commits made: steps, and ends of epochs (the same on every member).
-  [[nodiscard]] std::uint64_t steps() const noexcept { return state_.steps(); }
-  /// Losses recovered from so far on this process.
-  [[nodiscard]] int recoveries() const noexcept { return recoveries_; }
-
-  /// Runs `step(comm, n)` for n = steps() until `total` steps are committed, committing after
-  /// each; a loss makes the survivors go on from the newest commit (steps() restored with it).
-  void run(std::uint64_t total, const std::function<void(Comm&, std::uint64_t)>& step) {
-    connect();
-    for (;;) {
-      try {
-        while (state_.steps() < total) {
-          step(*comm_, state_.steps());
-          (void)commit();
-        }
-        return;
-      } catch (const Error& e) {
-        if (!recoverable(e)) throw;
-        end_if_left_out(e);
-        recover(e);
+  /// Collective: every rank of `comm` calls it, having recorded the same names with the same
+  /// kinds in the same order (Errc::mismatch on every rank otherwise). Returns the reduced
+  /// values, the same on every rank; the records stay (clear() starts afresh). A metric no rank
+  /// recorded a value for (a mean of weight 0 everywhere, a min with no record) is NaN.
+  template <ProcessGroup Comm>
+  [[nodiscard]] MetricValues reduce(Comm& comm) const {
+    const std::size_t p = static_cast<std::size_t>(comm.size());
+    const std::size_t me = static_cast<std::size_t>(comm.rank());
+    const std::size_t k = slots_.size();
+    const std::size_t row = 2 * k + 1;  // digest, then (a, b) per metric
+    std::vector<double> table(p * row, 0.0);
+    double* mine = table.data() + me * row;
+    mine[0] = static_cast<double>(digest() >> 11);  // 53 bits: exact in a double
+    for (std::size_t i = 0; i < k; ++i) {
+      mine[1 + 2 * i] = slots_[i].a;
+      mine[2 + 2 * i] = slots_[i].b;
+    }
+    comm.all_reduce_host(std::span<double>(table), ReduceOp::sum);
+    for (std::size_t j = 0; j < p; ++j) {
+      if (table[j * row] != mine[0]) {
+        detail::fail(Errc::mismatch, "rank ", me, ": Metrics::reduce: rank ", j,
+                     " recorded other metrics than this rank (", describe(),
+                     "); every rank must record the same names, with the same kinds, in the "
+                     "same order (record a weight-0 mean or skip the name on every rank)");
       }
     }
+    MetricValues out;
+    for (std::size_t i = 0; i < k; ++i) {
+      const MetricKind kind = slots_[i].kind;
+      double a = 0, b = 0;
+      bool any = false;
+      for (std::size_t j = 0; j < p; ++j) {  // rank order: the same bits on every rank
+        const double ra = table[j * row + 1 + 2 * i], rb = table[j * row + 2 + 2 * i];
+        if (kind == MetricKind::sum || kind == MetricKind::mean) {
+          a = j == 0 ? ra : a + ra;
+          b = j == 0 ? rb : b + rb;
+        } else if (rb > 0) {
+          a = !any ? ra : kind == MetricKind::min ? std::min(a, ra) : std::max(a, ra);
+          b += rb;
+          any = true;
+        }
+      }
+      if ((kind == MetricKind::min || kind == MetricKind::max) && !any)
+        a = std::numeric_limits<double>::quiet_NaN();
+      out.entries_.push_back({slots_[i].name, kind, value_of(kind, a, b), b});
+    }
+    return out;
   }
 
-  /// Runs epochs over `sampler` (tracked with track_sampler) until `epochs` are done, `step`
-  /// once per batch of `global_batch` samples over all ranks (each rank an equal share), a
-  /// commit after each, and `end_of_epoch(comm, epoch)` at the end of each (evaluation; it may
-  /// use collectives). Every member takes as many steps as the longest shard needs; the
-  /// samples the ranks have not taken are dealt again over every new membership, so that with
-  /// SamplerOptions::exact every sample of an epoch is trained on exactly once, whatever is lost.
-  void run_epochs(DistributedSampler& sampler, int epochs, std::size_t global_batch,
-                  const std::function<void(Comm&, const ElasticBatch&)>& step,
-                  const std::function<void(Comm&, int)>& end_of_epoch = {}) {
-    if (std::find(samplers_.begin(), samplers_.end(), &sampler) == samplers_.end())
-      detail::fail(Errc::invalid_argument, "rank ", env_.rank,
-                   ": Elastic::run_epochs: the sampler is not tracked; track it with "
-                   "track_sampler() before the communicator is made, so that its place in the "
-                   "epoch survives a loss");
-    if (global_batch == 0)
-      detail::fail(Errc::invalid_argument, "rank ", env_.rank,
-                   ": Elastic::run_epochs: the global batch must be at least 1 sample");
-    connect();
-    for (;;) {
-      try {
-        while (epoch_ < epochs) {
-          if (!run_epoch_steps(sampler, global_batch, step)) continue;  // dealt again: go on
-          if (end_of_epoch) end_of_epoch(*comm_, epoch_);
-          ++epoch_;
-          sampler.set_epoch(static_cast<std::uint64_t>(epoch_));
-          (void)commit();
-        }
-        return;
-      } catch (const Error& e) {
-        if (!recoverable(e)) throw;
-        end_if_left_out(e);
-        recover(e);
-      }
-    }
+  /// Forgets every record and name (e.g. at the start of an epoch).
+  void clear() noexcept { slots_.clear(); }
+  /// Forgets the records but keeps the names, kinds and order.
+  void reset() noexcept {
+    for (Slot& s : slots_) s.a = s.b = 0;
   }
+  /// The number of names recorded.
+  [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
 
  private:
-  using Clock = std::chrono::steady_clock;
+  struct Slot {
+    std::string name;
+    MetricKind kind;
+    double a = 0;  // sum: total; mean: Σ value × weight; min/max: the extreme so far
+    double b = 0;  // mean: Σ weight; otherwise the number of records
+  };
 
-  void before_connect(const char* what) const {
-    if (comm_)
-      detail::fail(Errc::invalid_argument, "rank ", env_.rank, ": Elastic::", what,
-                   ": the communicator is made already; track the state before the first comm() "
-                   "or run (every process must track the same, and a newcomer's ticket is "
-                   "checked against it)");
-  }
+  Slot& slot(std::string_view name, MetricKind kind);
 
-  [[nodiscard]] std::chrono::milliseconds enter_wait() const noexcept {
-    return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait.get();
-  }
+  static double value_of(MetricKind kind, double a, double b);
 
-  /// A process the job left out ends here (ElasticOptions::exit_when_left_out): every
-  /// exclusion says it "can never act on this communicator again".
-  void end_if_left_out(const Error& e) const {
-    if (e.code() != Errc::aborted || !eo_.exit_when_left_out ||
-        std::string_view(e.what()).find("can never act on this communicator again") ==
-            std::string_view::npos)
-      return;
-    std::fprintf(stderr,
-                 "ddp: world rank %d was left out of the job and ends (exit status %d): %s\n",
-                 env_.rank, left_out_exit_code, e.what());
-    std::fflush(nullptr);
-    std::_Exit(left_out_exit_code);  // its threads and peers' resources are not its own now
-  }
+  static std::string_view to_string(MetricKind k) noexcept;
 
-  static bool recoverable(const Error& e) noexcept {
-    return e.code() == Errc::peer_lost || e.code() == Errc::aborted || e.code() == Errc::timeout;
-  }
+  /// FNV-1a over the names and kinds, in order.
+  [[nodiscard]] std::uint64_t digest() const noexcept;
 
-  /// Makes the communicator: init(), or (a restarted process, Environment::rejoin) enter() and
-  /// the members' state. A member lost meanwhile costs one recovery here as anywhere else; a
-  /// newcomer whose admission failed with it (the members then recover without it) asks again.
-  void connect() {
-    if (comm_) return;
-    const auto t0 = Clock::now();
-    const ElasticChange::Kind kind =
-        env_.rejoin ? ElasticChange::Kind::joined : ElasticChange::Kind::started;
-    if (env_.rejoin) {
-      for (int asked = 1;; ++asked) {
-        try {
-          comm_.emplace(
-              Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = enter_wait()}));
-          break;
-        } catch (const Error& e) {
-          // Refused, out of time, or every member gone: final. A member lost while this
-          // process was being admitted: the members recover, and it asks again.
-          if (e.code() != Errc::peer_lost || asked >= max_entries) throw;
-        }
-      }
-    } else {
-      comm_.emplace(Comm::init(env_, options_));
-    }
-    try {
-      if (kind == ElasticChange::Kind::joined) {
-        state_.restore(*comm_);
-      } else {
-        state_.start(*comm_);
-      }
-      reset(kind, 0, t0, {});
-    } catch (const Error& e) {
-      if (!recoverable(e)) throw;
-      recover(e);
-    }
-  }
+  [[nodiscard]] std::string describe() const;
 
-  void reset(ElasticChange::Kind kind, int before, Clock::time_point t0, std::string why) {
-    if (reset_) reset_(*comm_);
-    if (change_) {
-      ElasticChange c;
-      c.kind = kind;
-      c.size = comm_->size();
-      c.previous_size = before;
-      c.commit = state_.steps();
-      c.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      c.why = std::move(why);
-      change_(c);
-    }
-  }
-
-  /// The commit after a step; admits the processes waiting to enter, when there are. Returns
-  /// whether the membership grew (the epoch's rest is then dealt again).
-  bool commit() {
-    unreported_ = state_.steps() + 1;
-    state_.commit(*comm_);
-    if (commit_) commit_(*comm_, state_.steps());
-    unreported_ = 0;
-    if (state_.entering() <= 0) return false;
-    const auto t0 = Clock::now();
-    const int before = comm_->size();
-    if (!state_.grow(*comm_)) return false;
-    reset(ElasticChange::Kind::grew, before, t0, {});
-    return true;
-  }
-
-  /// The rest of the current epoch's steps over this membership; false when the membership grew
-  /// meanwhile (the rest is then dealt again over the new one).
-  bool run_epoch_steps(DistributedSampler& sampler, std::size_t global_batch,
-                       const std::function<void(Comm&, const ElasticBatch&)>& step) {
-    const std::vector<std::size_t> mine = sampler.indices();
-    const auto ranks = static_cast<std::size_t>(comm_->size());
-    const std::size_t longest = (sampler.total_size() + ranks - 1) / ranks;
-    const std::size_t at = sampler.state().offset;
-    const std::size_t local = (global_batch + ranks - 1) / ranks;
-    for (std::size_t done = 0; at + done < longest; done += local) {
-      const std::size_t count = done < mine.size() ? std::min(local, mine.size() - done) : 0;
-      ElasticBatch b;
-      b.indices = std::span<const std::size_t>(mine.data() + done, count);
-      b.epoch = epoch_;
-      b.step = (at + done) / local;
-      b.local_batch = local;
-      step(*comm_, b);
-      sampler.advance(count);
-      if (commit()) return false;
-    }
-    return true;
-  }
-
-  /// After a loss: shrink, restore, report the commit a loss interrupted (on_commit), reset
-  /// (on_reset, on_change); all of it again when a member is lost meanwhile, in any of those
-  /// (one more recovery each time). Rethrows when this rank was left out (fenced), too few
-  /// remain, or no recovery is left.
-  void recover(const Error& first) {
-    const auto t0 = Clock::now();
-    const int before = comm_->size();
-    for (;;) {
-      ++recoveries_;
-      if (eo_.max_recoveries >= 0 && recoveries_ > eo_.max_recoveries)
-        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
-                          " (Elastic: ", eo_.max_recoveries,
-                          " losses recovered from already: ElasticOptions::max_recoveries)");
-      const int round_before = comm_->size();
-      std::optional<Comm> next;
-      try {
-        next.emplace(comm_->shrink(eo_.shrink));
-      } catch (const Error& e) {  // left out: Errc::aborted
-        end_if_left_out(e);
-        throw;
-      }
-      *comm_ = std::move(*next);
-      if (comm_->size() < eo_.min_size)
-        detail::fail(Errc::peer_lost, "world rank ", env_.rank, ": Elastic: ", comm_->size(),
-                     " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",
-                     first.what(), ")");
-      std::uint64_t restored = 0;
-      try {
-        restored = state_.restore(*comm_);
-        // The commit being confirmed or reported when the loss came, if the members completed
-        // it: reported now (once its report returns).
-        if (unreported_ != 0 && restored == unreported_ && commit_) commit_(*comm_, restored);
-        unreported_ = 0;
-      } catch (const Error& again) {
-        if (!recoverable(again)) throw;  // another loss while restoring or reporting
-        continue;
-      }
-      // A failure that comes back at the same commit after a round that lost no rank is not a
-      // lost rank (a step, or on_reset, that throws Errc::timeout every time, say): recovering
-      // again would repeat it forever. Every member sees the same sizes and commit, and rethrows
-      // alike.
-      if (comm_->size() == round_before && restored == no_loss_commit_)
-        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
-                          " (Elastic: the same failure came back at commit ", restored,
-                          " after a recovery that lost no rank: it is not a lost rank, so it is "
-                          "rethrown instead of recovered from again)");
-      no_loss_commit_ = comm_->size() == round_before ? restored : ~std::uint64_t{0};
-      try {
-        reset(ElasticChange::Kind::lost, before, t0, first.what());
-      } catch (const Error& again) {
-        if (!recoverable(again)) throw;  // another loss in on_reset or on_change
-        continue;
-      }
-      return;
-    }
-  }
-
-  Environment env_;
-  Options options_;
-  ElasticOptions eo_;
-  TrainingState state_;
-  int epoch_ = 0;
-  std::vector<const DistributedSampler*> samplers_;
-  std::function<void(Comm&)> reset_;
-  std::function<void(const ElasticChange&)> change_;
-  std::function<void(Comm&, std::uint64_t)> commit_;
-  static constexpr int max_entries = 5;  // a newcomer's requests, when members die meanwhile
-  std::uint64_t unreported_ = 0;         // the commit being confirmed or reported (0: none)
-  std::uint64_t no_loss_commit_ = ~std::uint64_t{0};  // restored by the last loss-free recovery
-  std::optional<Comm> comm_;
-  int recoveries_ = 0;
+  std::vector<Slot> slots_;
 };
 
 DDP_END_NAMESPACE
-// end ddp/training/elastic.hpp
-// begin ddp/training/fully_shard.hpp
+
+#if DDP_BODIES
+// begin ddp/observe/impl/metrics.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/observe/metrics.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE auto MetricValues::entry(std::string_view name) const -> const Entry& {
+  for (const Entry& e : entries_) {
+    if (e.name == name) return e;
+  }
+  detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
+               "\" (recorded: ", names(), ")");
+}
+
+DDP_INLINE bool MetricValues::contains(std::string_view name) const noexcept {
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const Entry& e) { return e.name == name; });
+}
+
+DDP_INLINE std::string MetricValues::format(int digits) const {
+  std::string out;
+  for (const Entry& e : entries_) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
+    if (!out.empty()) out += "  ";
+    out += e.name;
+    out += ' ';
+    out += buf;
+  }
+  return out;
+}
+
+DDP_INLINE std::string MetricValues::names() const {
+  std::string s;
+  for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
+  return s.empty() ? std::string("none") : s;
+}
+
+DDP_INLINE Metrics& Metrics::sum(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::sum);
+  s.a += value;
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::mean(std::string_view name, double value, double weight) {
+  if (!(weight >= 0) || !std::isfinite(weight)) {
+    detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
+                 " must be finite and non-negative (a number of samples)");
+  }
+  Slot& s = slot(name, MetricKind::mean);
+  if (weight > 0) {
+    s.a += value * weight;
+    s.b += weight;
+  }
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::min(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::min);
+  s.a = s.b == 0 ? value : std::min(s.a, value);
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE Metrics& Metrics::max(std::string_view name, double value) {
+  Slot& s = slot(name, MetricKind::max);
+  s.a = s.b == 0 ? value : std::max(s.a, value);
+  s.b += 1;
+  return *this;
+}
+
+DDP_INLINE MetricValues Metrics::local() const {
+  MetricValues v;
+  for (const Slot& s : slots_)
+    v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
+  return v;
+}
+
+DDP_INLINE auto Metrics::slot(std::string_view name, MetricKind kind) -> Slot& {
+  for (Slot& s : slots_) {
+    if (s.name != name) continue;
+    if (s.kind != kind) {
+      detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
+                   to_string(s.kind), " and now as a ", to_string(kind),
+                   "; a name keeps its kind (clear() forgets it)");
+    }
+    return s;
+  }
+  if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
+  slots_.push_back({std::string(name), kind});
+  return slots_.back();
+}
+
+DDP_INLINE double Metrics::value_of(MetricKind kind, double a, double b) {
+  if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
+  if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
+    return std::numeric_limits<double>::quiet_NaN();
+  return a;
+}
+
+DDP_INLINE std::string_view Metrics::to_string(MetricKind k) noexcept {
+  switch (k) {
+    case MetricKind::sum: return "sum";
+    case MetricKind::mean: return "mean";
+    case MetricKind::min: return "min";
+    case MetricKind::max: return "max";
+  }
+  return "?";
+}
+
+DDP_INLINE std::uint64_t Metrics::digest() const noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&](unsigned char c) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  };
+  for (const Slot& s : slots_) {
+    for (char c : s.name) mix(static_cast<unsigned char>(c));
+    mix(0);
+    mix(static_cast<unsigned char>(s.kind));
+  }
+  return h;
+}
+
+DDP_INLINE std::string Metrics::describe() const {
+  std::string s;
+  for (const Slot& x : slots_)
+    s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
+  return s.empty() ? std::string("no metrics") : "this rank has " + s;
+}
+
+DDP_END_NAMESPACE
+// end ddp/observe/impl/metrics.ipp
+#endif
+// end ddp/observe/metrics.hpp
+// #include "ddp/observe/recorder.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// begin ddp/spawn.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::FullyShard<M, Backend>: a model's own parameters fully sharded (ZeRO-3, as FSDP2's
-/// `fully_shard`), for a model of any parameter type, over a FullyShardedAverager.
-///
-/// The program lists its parameters by unit (indices into the model's parameters; every
-/// parameter in one unit). Each rank then keeps 1/P of every unit; the parameters themselves
-/// point at nothing (empty values and gradients) except while their unit runs:
-///
-///     ddp::FullyShard fsdp(comm, net, {{0, 1}, {2, 3}, {4, 5}});   // three layers' (w, b)
-///     for (...) {
-///       for (u = 0; u < 3; ++u) fsdp.forward(u, [&] { layer_forward(u, net); });
-///       for (u = 3; u-- > 0;) fsdp.backward(u, [&] { layer_backward(u, net); });  // += grads
-///       fsdp.step([&](auto shard) { opt.step(shard); });  // the optimizer on the shard
-///     }
-///
-/// forward(u, fn) gathers unit u (prefetched while the unit before it ran), points its
-/// parameters' values at it, starts gathering the unit after it (the last step's forward order),
-/// runs fn() and releases the unit (Options::reshard_after_forward = false keeps it for the
-/// backward). backward(u, fn) gathers it again (prefetching the unit before it), points the
-/// values and the gradients (zeros, for fn to add into) at the unit's buffers, runs fn(),
-/// releases the unit and reduce-scatters its gradients into the shard in the background, while
-/// the program goes on with the units before it. step(update) waits for the reduces (a unit
-/// whose backward did not run this step is reduced with zero gradients), runs update(shard())
-/// (ShardSlice: the same optimizers as ShardedAverager's shard) and starts gathering the first
-/// unit of the next forward. On backend::Host the averages are GradientAverager's bitwise, so
-/// with the same elementwise optimizer a run is bitwise a GradientAverager run.
-///
-/// Mixed precision (MixedPrecisionPolicy): FullyShard<M, Backend, bfloat16, float> over a model
-/// of bfloat16 parameters keeps float masters in the shard for the optimizer, gathers the
-/// parameters in bfloat16 and averages the bfloat16 gradients (FullyShardedAverager<Backend,
-/// float, bfloat16, bfloat16>).
-///
-/// Re-pointing a parameter: parameter_traits<P>::point(P& p, std::span<T> value, std::span<T>
-/// grad) makes p's value and gradient views of those elements (empty spans: of nothing), for a
-/// tensor type of one's own; a parameter whose value and grad are std::span<T> or
-/// ddp::TensorView<T> members (or references to them) needs none.
-///
-/// The shard starts as rank 0's parameter values (the model is read once, then its parameters
-/// are pointed at nothing: free their memory), or, made with an initializer, from values made
-/// for this rank's pieces only, so that no rank ever holds the whole model (the parameters'
-/// sizes are read, not their values). Every rank must list the same units (Errc::mismatch) and
-/// run the same units' forwards and backwards in the same order (the gathers and reduces are
-/// collectives; checked at each step, Options::check_order: Errc::mismatch before the update).
-/// Errc::invalid_argument for a parameter listed twice or in no unit, a unit run twice in one
-/// step's backward, and a parameter pointed elsewhere (given elements) while its unit was released.
-/// A parameter read outside forward() / backward() of its unit has no elements. An exception from a
-/// backward's fn leaves its unit's gradients partly added: this object then refuses every call
-/// until reset(comm) (after shrink(), say; then load the shard).
-///
-/// After a change of membership (ddp::Elastic's on_reset), reset(comm) shards the same units over
-/// the new world and the shard is loaded from a ShardMirror saved each step (averager().save(
-/// mirror, tag, state) before the commit; averager().load(mirror, tag)) or from a checkpoint.
+/// ddp::spawn: like torch.multiprocessing.spawn. Forks `nprocs` processes on this host, each
+/// running fn(env) with its Environment (also exported as RANK, WORLD_SIZE, ... so that
+/// Environment::detect() and Communicator::init() work inside), and waits for them. The parent
+/// hosts the rendezvous store. If a child throws or dies, the parent stops the others (SIGTERM,
+/// then SIGKILL) and throws a ddp::Error naming the rank and carrying the child's message.
 
-// #include "ddp/communicator.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// begin ddp/training/fully_sharded.hpp
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
+// begin ddp/detail/process.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// FullyShardedAverager<Backend, T>: fully sharded parameters (ZeRO-3), the units' engine.
+/// Starting and stopping worker processes, the one way ddp::spawn and ddprun's agent both do it:
+/// a fork that gives the child default signal dispositions and ties its life to its parent's,
+/// the variables that place a worker in its job (torchrun's names), a stop in two steps
+/// (SIGTERM, then SIGKILL after a grace period) and the words for how a process ended.
+
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// Where a worker stands in its job: what RANK, WORLD_SIZE, ... tell it.
+struct WorkerPlace {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+/// "RANK=r", "WORLD_SIZE=n", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+/// "MASTER_ADDR", "MASTER_PORT" (torchrun's names) and "DDP_STORE_HOSTED=1": the parent hosts the
+/// rendezvous store, or reaches the one that does, for the worker's whole life.
+[[nodiscard]] DDP_INLINE std::vector<std::string> worker_variables(const WorkerPlace& p);
+
+/// fork() for a worker. Signals are blocked across it, so that none reaches the child before the
+/// child has its own dispositions. In the child (0 is returned): the signals a parent handles
+/// (SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE and the crash signals) back to their defaults, the
+/// previous mask back, killed when its parent dies (PR_SET_PDEATHSIG; it exits with 127 at once
+/// when the parent is already gone) and, with `own_group`, in a process group of its own (so that
+/// stopping it stops what it started). The child makes async-signal-safe calls only. In the
+/// parent: the child's pid; fails with Errc::system.
+[[nodiscard]] DDP_INLINE pid_t fork_worker(bool own_group);
+
+/// "exited with status N", "was killed by SIGKILL (signal 9)" for a waitpid() status.
+[[nodiscard]] DDP_INLINE std::string describe_status(int status);
+
+/// A stop in two steps, as torchrun and mpirun stop their workers: SIGTERM, then SIGKILL to what
+/// has not ended when the grace period is over. Only the times: the owner sends the signals that
+/// due() names, to its own processes.
+class GracefulStop {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  /// SIGTERM at `now + delay` (time for the workers to write their flight recorders), SIGKILL
+  /// `grace` after that.
+  void begin(Clock::time_point now, std::chrono::milliseconds delay,
+             std::chrono::milliseconds grace) {
+    term_at_ = now + delay;
+    kill_at_ = term_at_ + grace;
+  }
+  /// The first signal is sent already (passed on from the launcher's own): SIGKILL `grace` later.
+  void begin_sent(Clock::time_point now, std::chrono::milliseconds grace) {
+    term_at_ = Clock::time_point::max();
+    kill_at_ = now + grace;
+  }
+  /// No stop under way.
+  void reset() { term_at_ = kill_at_ = Clock::time_point::max(); }
+  /// Whether SIGKILL is still to come: a stop is under way and its grace period not over.
+  [[nodiscard]] bool kill_pending() const { return kill_at_ != Clock::time_point::max(); }
+  /// The signal due at `now`: SIGTERM, then SIGKILL, each named once; 0 when none is.
+  [[nodiscard]] int due(Clock::time_point now) {
+    if (now >= term_at_) {
+      term_at_ = Clock::time_point::max();
+      return SIGTERM;
+    }
+    if (now >= kill_at_) {
+      kill_at_ = Clock::time_point::max();
+      return SIGKILL;
+    }
+    return 0;
+  }
+
+ private:
+  Clock::time_point term_at_ = Clock::time_point::max();
+  Clock::time_point kill_at_ = Clock::time_point::max();
+};
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/detail/impl/process.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/detail/process.hpp>'s non-template functions. That header includes this file
+// at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::vector<std::string> worker_variables(const WorkerPlace& p) {
+  return {concat("RANK=", p.rank),
+          concat("WORLD_SIZE=", p.world_size),
+          concat("LOCAL_RANK=", p.local_rank),
+          concat("LOCAL_WORLD_SIZE=", p.local_world_size),
+          concat("NODE_RANK=", p.node_rank),
+          concat("GROUP_RANK=", p.node_rank),
+          concat("MASTER_ADDR=", p.master_addr),
+          concat("MASTER_PORT=", p.master_port),
+          "DDP_STORE_HOSTED=1"};
+}
+
+DDP_INLINE pid_t fork_worker(bool own_group) {
+  std::fflush(nullptr);  // nothing buffered is written twice
+  sigset_t all, previous;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &previous);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (own_group) ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (const int sig :
+         {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE, SIGSEGV, SIGABRT, SIGFPE, SIGILL, SIGBUS})
+      ::sigaction(sig, &dfl, nullptr);
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    return 0;
+  }
+  const int err = errno;
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) fail_errno(err, "fork");
+  if (own_group) ::setpgid(pid, pid);  // also here: whichever of the two runs first
+  return pid;
+}
+
+DDP_INLINE std::string describe_status(int status) {
+  if (WIFEXITED(status)) return concat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::sigabbrev_np(sig);
+    return concat("was killed by SIG", name != nullptr ? name : "?", " (signal ", sig, ")");
+  }
+  return "stopped";
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/detail/impl/process.ipp
+#endif
+// end ddp/detail/process.hpp
+// #include "ddp/detail/socket.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/observe/recorder.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/store/protocol.hpp" (already included above)
+// #include "ddp/store/server.hpp" (already included above)
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// How spawn() starts, hosts and stops its workers.
+struct SpawnOptions {
+  /// Address the store listens on and workers connect to.
+  std::string master_addr = "127.0.0.1";
+  /// Port of the store; 0 picks a free one.
+  int master_port = 0;
+  /// Grace period between SIGTERM and SIGKILL when stopping the others after a failure.
+  std::chrono::milliseconds grace{std::chrono::seconds(3)};
+  /// Extra environment variables for the workers ("NAME=value"). A DDP_TOKEN here is also the
+  /// token of the store spawn() hosts.
+  std::vector<std::string> env;
+  /// Stop the other workers as soon as one fails (torchrun's behaviour; with $DDP_TRACE_DUMP set,
+  /// a second later, so that they can write their flight recorders). Fault-injection tests turn
+  /// it off to watch how the survivors react.
+  bool stop_on_failure = true;
+  /// With stop_on_failure false: end (SIGKILL) a worker that the job left out alive, stopped or
+  /// hung past the heartbeat or too slow for the others' shrink() (it can never act again, and
+  /// spawn would wait for it for ever), as ddprun does; spawn then fails naming it. Tests of
+  /// fencing, which wake such a worker to watch it refused, turn it off.
+  bool end_left_out = true;
+};
+
+/// Runs fn(env) in nprocs forked processes and waits for all of them (see the file comment).
+DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                      const SpawnOptions& options = {});
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/impl/spawn.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/spawn.hpp>'s non-template functions. That header includes this file at its
+// bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,
+                      const SpawnOptions& options) {
+  if (nprocs < 1)
+    detail::fail(Errc::invalid_argument, "spawn: nprocs must be at least 1, got ", nprocs);
+  std::fflush(nullptr);
+  // Bind before forking: the port is known to every child, and no thread exists yet.
+  detail::Fd listener = detail::listen_tcp(options.master_addr, options.master_port);
+  const int port = detail::local_port(listener.get());
+
+  struct Child {
+    pid_t pid = -1;
+    detail::Fd error_pipe;
+    std::string error;
+    int status = 0;
+    bool done = false;
+    std::string left_out;  // why the job left it out, when spawn ended it for that
+  };
+  std::vector<Child> children(static_cast<std::size_t>(nprocs));
+  for (int r = 0; r < nprocs; ++r) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) detail::fail_errno(errno, "spawn: pipe2");
+    // A worker never outlives the parent (killed, say): no orphans spinning in a collective.
+    const pid_t pid = detail::fork_worker(false);
+    if (pid == 0) {
+      ::close(fds[0]);
+      listener.reset();
+      for (int k = 0; k < r; ++k) children[static_cast<std::size_t>(k)].error_pipe.reset();
+      Environment env;
+      env.rank = r;
+      env.world_size = nprocs;
+      env.local_rank = r;
+      env.local_world_size = nprocs;
+      env.node_rank = 0;
+      env.master_addr = options.master_addr;
+      env.master_port = port;
+      env.launcher = "spawn";
+      for (const std::string& kv :
+           detail::worker_variables({r, nprocs, r, nprocs, 0, options.master_addr, port})) {
+        const std::size_t eq = kv.find('=');
+        ::setenv(kv.substr(0, eq).c_str(), kv.c_str() + eq + 1, 1);
+      }
+      for (const auto& kv : options.env) ::putenv(const_cast<char*>(kv.c_str()));
+      int code = 0;
+      std::string message;
+      try {
+        fn(env);
+      } catch (const std::exception& e) {
+        message = e.what();
+        code = 1;
+      } catch (...) {
+        message = "a non-standard exception";
+        code = 1;
+      }
+      // Less than a pipe's capacity: the parent reads it only after this process has exited.
+      if (message.size() > 16384) message.resize(16384);
+      if (code != 0) (void)!::write(fds[1], message.data(), message.size());
+      std::fflush(nullptr);
+      ::_exit(code);  // no atexit handlers or static destructors of the parent's copy
+    }
+    ::close(fds[1]);
+    children[static_cast<std::size_t>(r)].pid = pid;
+    children[static_cast<std::size_t>(r)].error_pipe.reset(fds[0]);
+  }
+
+  StoreOptions so;
+  so.token = detail::EnvReader().get("DDP_TOKEN");
+  for (const auto& kv : options.env)  // the workers' token, when the options give them one
+    if (kv.rfind("DDP_TOKEN=", 0) == 0) so.token = kv.substr(10);
+  StoreServer server(std::move(listener), options.master_addr, so);
+
+  const auto read_error = [](Child& c) {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::read(c.error_pipe.get(), buf, sizeof buf);
+      if (n > 0 && c.error.size() < 65536)
+        c.error.append(buf, static_cast<std::size_t>(n));
+      else if (n < 0 && errno == EINTR)
+        continue;
+      else
+        break;
+    }
+  };
+  // Without stop_on_failure the others go on when a worker is lost; a worker the job left out
+  // alive (stopped or hung past the heartbeat, or too slow for the others' shrink) can never act
+  // again and would keep spawn waiting: its record in the store ("ddp/<restart>/left/<rank>",
+  // as ddprun reads it) ends it.
+  std::optional<Store> records;
+  if (!options.stop_on_failure && options.end_left_out)
+    records.emplace(options.master_addr, server.port(), so);
+  const std::string left =
+      detail::concat("ddp/", detail::EnvReader().get("DDP_RESTART_COUNT", "0"), "/left/");
+  auto next_check = std::chrono::steady_clock::now();
+  const auto end_left_out = [&] {
+    for (int r = 0; r < nprocs; ++r) {
+      Child& c = children[static_cast<std::size_t>(r)];
+      const std::string key[] = {detail::concat(left, r)};
+      if (c.done || !c.left_out.empty() || !records->check(key)) continue;
+      c.left_out = records->get(key[0]);
+      if (c.left_out.empty()) c.left_out = "the others went on without it";
+      ::kill(c.pid, SIGKILL);
+    }
+  };
+  int first_failed = -1;
+  int remaining = nprocs;
+  detail::GracefulStop stop;
+  const auto dump_delay = detail::trace_dump_grace();  // time to write flight recorders
+  while (remaining > 0) {
+    bool reaped = false;
+    for (int r = 0; r < nprocs; ++r) {  // only our own children: never reap someone else's
+      Child& c = children[static_cast<std::size_t>(r)];
+      if (c.done) continue;
+      int status = 0;
+      const pid_t pid = ::waitpid(c.pid, &status, WNOHANG);
+      if (pid == 0 || (pid < 0 && errno == EINTR)) continue;
+      c.done = true;
+      c.status = pid < 0 ? 0 : status;
+      --remaining;
+      reaped = true;
+      read_error(c);
+      const bool ok = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && first_failed < 0) {
+        first_failed = r;
+        if (options.stop_on_failure)
+          stop.begin(detail::GracefulStop::Clock::now(), dump_delay, options.grace);
+      }
+    }
+    while (const int sig = stop.due(detail::GracefulStop::Clock::now())) {
+      for (const auto& c : children) {
+        if (!c.done) ::kill(c.pid, sig);
+      }
+    }
+    if (records && remaining > 0 && std::chrono::steady_clock::now() >= next_check) {
+      next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+      end_left_out();
+    }
+    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (first_failed >= 0) {
+    const Child& c = children[static_cast<std::size_t>(first_failed)];
+    if (!c.left_out.empty())
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") was left out of the job (", c.left_out,
+                   ") and ended, as it could never act again");
+    if (!c.error.empty()) {
+      detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid,
+                   ") failed: ", c.error);
+    }
+    detail::fail(Errc::aborted, "spawn: rank ", first_failed, " (pid ", c.pid, ") ",
+                 detail::describe_status(c.status));
+  }
+}
+
+DDP_END_NAMESPACE
+// end ddp/impl/spawn.ipp
+#endif
+// end ddp/spawn.hpp
+// #include "ddp/store/client.hpp" (already included above)
+// #include "ddp/store/protocol.hpp" (already included above)
+// #include "ddp/store/server.hpp" (already included above)
+// begin ddp/training/averaging/gradient.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
 ///
-/// The program's parameters are grouped into units (a layer, a block). Each unit's parameters,
-/// end to end, form one flat array padded with zeros to a multiple of P; rank r keeps block r of
-/// it (its values, their gradients, and whatever an optimizer keeps for them), so no rank holds a
-/// whole unit except while it is gathered:
+///  * At construction it checks that every rank has the same parameters (count, sizes, element
+///    type) and options (Errc::mismatch names the first difference and the ranks), and copies
+///    rank 0's values (and buffers) to every rank.
+///  * Gradients are averaged in buckets (ddp/training/averaging/buckets.hpp): parameters in reverse
+///  order,
+///    a small first bucket (1 MiB) so that communication starts early, then up to 25 MiB; 256 KiB
+///    and larger in place. mark_ready(i) says gradient i is final; a bucket whose gradients are
+///    all final starts in the background while backward goes on, in the same order on every
+///    rank. synchronize() waits and writes the averages back; a gradient never marked counts as
+///    zero (an unused parameter). no_sync() skips averaging while micro-batches accumulate.
+///  * What is done to a full bucket is its comm hook (ddp/training/averaging/comm_hooks.hpp):
+///    ddp::allreduce_hook; with BucketOptions::compression the fp16 or bf16 hook (float32
+///    gradients travel as float16 or bfloat16: half the bytes); or register_comm_hook's.
+///  * found_nonfinite() agrees across ranks (dynamic loss scaling). It is a Joinable
+///    (ddp/training/averaging/join.hpp): with uneven inputs, the average is over the ranks that
+///    trained.
 ///
-///     ddp::FullyShardedAverager fsdp(comm, {{4096 * 4096, 4096}, {4096 * 10, 10}},
-///                                    [](std::size_t unit, std::size_t param, std::size_t offset,
-///                                       std::span<float> values) { /* initialize them */ });
-///     for (...) {
-///       fsdp.prefetch(0);
-///       for (u in forward order) {
-///         std::span<float> w = fsdp.gather(u);   // the unit's parameters, end to end
-///         if (u + 1 < units) fsdp.prefetch(u + 1); // while this unit computes
-///         forward(u, w);
-///         fsdp.release(u);                        // (or keep it for the backward)
-///       }
-///       for (u in backward order) {
-///         std::span<float> w = fsdp.gather(u);
-///         backward(u, w, fsdp.grad(u));            // adds into the unit's gradients
-///         fsdp.release(u);
-///         fsdp.reduce(u);                         // averaged into the shard in the background
-///       }
-///       fsdp.synchronize();                       // the shard's gradients hold the averages
-///       opt.step(fsdp.shard());                   // the optimizer on the shard (ShardSlice)
-///     }
-///
-/// The averages are every rank's gradients reduced with ReduceOp::avg, as GradientAverager's: on
-/// backend::Host (every element reduced in rank order on every path) they are bitwise its
-/// averages, so a run is bitwise a GradientAverager run. The shard is ShardedAverager's kind
-/// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
-/// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
-///
-/// Mixed precision (MixedPrecisionPolicy): FullyShardedAverager<Backend, float, bfloat16, float>
-/// keeps float masters in the shard, gathers the parameters converted to bfloat16, and takes the
-/// backward's gradients in float (the third type: the reduce's), converted into the shard.
-///
-/// Uneven inputs: a Joinable (ddp::Join) once on_join_step(update) says how a rank updates its
-/// shard; a rank whose inputs are done answers the others' steps and keeps its shard current.
-///
-/// Memory (FullyShardedOptions): units gathered and the shard kept on the host, or on a CUDA
-/// device (backend::Nccl's default: the communicator's device; backend::Host stages through
-/// pinned memory), or units on the device and the shard on the host (`offload`, as FSDP2's
-/// CPUOffloadPolicy). gather() and grad() then return device memory, shard() device views (the
-/// optimizer runs where the shard is); init, gather_to and scatter_from stay host memory,
-/// copied through. Mixed precision on a device converts this rank's block through the host.
-///
-/// save(path, state) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
-/// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
-/// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
-///
-/// A unit is gathered at most once at a time: gather() waits for a prefetch() of it, and
-/// gathering a gathered unit (kept from the forward for the backward) returns the same values.
-/// A unit out of range, reduce() without grad() and a second reduce() before the next grad()
-/// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
-/// (Errc::mismatch at construction, naming the first unit that differs). A rank lost during a
-/// gather or a reduce fails the others' calls that wait for it with Errc::peer_lost; the shard's
-/// values, written only by the optimizer, stay as they were (save them to a ShardMirror each
-/// step, and the survivors go on from there without the lost rank's shard: load(mirror)).
+/// Models, parameters and their adaptation: ddp/training/averaging/parameters.hpp.
+
+// #include "ddp/backend/reduce.hpp" (already included above)
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/observe/timeline.hpp" (already included above)
+// begin ddp/training/averaging/buckets.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The bucket engine of GradientAverager and ShardedAverager, and the options they share. It
+/// plans the buckets (parameters in reverse order; large gradients in place; ShardedAverager: each
+/// bucket padded to P blocks, rank r owning block r), looks the buffers up again each step (the
+/// model may reallocate them), counts the gradients marked ready (mark_ready, or the framework's
+/// hooks), starts each full bucket in bucket order on every rank (its gradients packed into its
+/// host or device buffer, then its comm hook called: ddp/training/averaging/comm_hooks.hpp), waits
+/// for them in synchronize() and copies the results back.
 
 // #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/observe/timeline.hpp" (already included above)
+// begin ddp/training/averaging/comm_hooks.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Comm hooks: what is done to a full bucket of gradients (torch's DDP register_comm_hook). The
+/// bucket engine (ddp/training/averaging/buckets.hpp) packs each bucket and calls its averager's
+/// hook; GradientAverager::register_comm_hook and ShardedAverager::register_comm_hook set one.
+///
+/// A comm hook is any callable
+///
+///     ddp::Work hook(ddp::Communicator<Backend>& comm, ddp::GradBucket<T>& bucket);
+///
+/// that leaves in bucket.output, on every rank, the reduction bucket.op over every rank's
+/// bucket.buffer, and returns the Work that finishes it (the bucket's buffers live until then).
+/// Every rank registers the same hook. Built in:
+///
+///     ddp::allreduce_hook       all_reduce (GradientAverager's default)
+///     ddp::fp16_compress_hook   float32 gradients travel and are reduced as float16 (half the
+///     ddp::bf16_compress_hook   bytes) or bfloat16; compress_hook(DType) takes the wire type
+///     ddp::reduce_scatter_hook  this rank's block only (ShardedAverager's default: ZeRO)
+///
+///     avg.register_comm_hook([&](auto& comm, auto& bucket) {   // counts, then the default
+///       ++calls;
+///       return ddp::allreduce_hook(comm, bucket);
+///     });
+///
+/// A hook runs in the thread that completes its bucket (with autograd's hooks, backward's). If it
+/// throws, or its Work fails with an exception that is not a ddp::Error, synchronize() throws a
+/// ddp::Error naming the bucket and its parameters (the code of a ddp::Error it threw,
+/// Errc::invalid_argument otherwise), once the buckets already started have finished; no later
+/// bucket of the step starts, so ranks whose hook fails alike stay in step, and the step is
+/// dropped. A collective's own failure (a lost peer, a timeout) passes as it is.
+///
+/// In a ddp::Join (uneven inputs), bucket.op is ReduceOp::sum and the averager divides the result
+/// by the number of ranks that trained the step; a rank that has finished calls the hook for each
+/// bucket of each step the others still train, with bucket.shadow set and a buffer of zeros, and
+/// drops the result. So a hook reduces with bucket.op and issues the same collectives whatever the
+/// buffer holds; one with state of its own (error feedback) leaves it alone when bucket.shadow.
+
+// #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// begin ddp/training/join.hpp
+// #include "ddp/types.hpp" (already included above)
+// #include "ddp/work.hpp" (already included above)
+
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <span>
+#include <string>
+#include <type_traits>
+
+DDP_BEGIN_NAMESPACE
+
+/// A gradient's part of a bucket: elements [offset, offset + size) of parameter `param`, at
+/// position `at` of the bucket's buffer.
+struct BucketPiece {
+  std::size_t param = 0;   ///< The parameter's index in the model.
+  std::size_t offset = 0;  ///< Its first element here (0 unless ShardedAverager split it).
+  std::size_t size = 0;    ///< Elements.
+  std::size_t at = 0;      ///< Where they are in the bucket's buffer.
+  /// The parameter's rows seen as a matrix, row-major (0: a vector, or the framework does not
+  /// say; see detail::param_rows). Meaningful when the piece is the whole parameter.
+  std::size_t rows = 0;
+};
+
+/// What a comm hook receives (torch's GradBucket). Valid until the step's synchronize().
+template <class T>
+struct GradBucket {
+  std::size_t index = 0;  ///< The bucket's place in launch order (0: the last parameters').
+  bool last = false;      ///< The last bucket of a step.
+  /// This rank's gradients, packed in `pieces` order (zero padding after them in a
+  /// ShardedAverager's bucket); host or device memory, as the backend moves it.
+  TensorView<T> buffer;
+  /// Where the result must be: `buffer` itself (GradientAverager), or this rank's block of it
+  /// (ShardedAverager: elements [r * n / P, (r + 1) * n / P) on rank r of P).
+  TensorView<T> output;
+  ReduceOp op = ReduceOp::avg;  ///< The reduction to leave there: avg; sum inside a ddp::Join.
+  bool shadow = false;  ///< A finished rank in a Join: `buffer` holds zeros, the result is dropped.
+  std::span<const BucketPiece> pieces;  ///< The gradients in `buffer`, in order.
+  /// Piece k's elements of `buffer`.
+  [[nodiscard]] TensorView<T> gradient(std::size_t k) const {
+    return buffer.subview(pieces[k].at, pieces[k].size);
+  }
+};
+
+/// Whether F is a comm hook for gradients of element type T on communicator type Comm.
+template <class F, class Comm, class T>
+concept CommHookFor = (std::is_invocable_r_v<Work, F&, Comm&, GradBucket<T>&>);
+/// A comm hook as an averager keeps it.
+template <class Comm, class T>
+using CommHook = std::function<Work(Comm&, GradBucket<T>&)>;
+
+namespace detail {
+
+/// The exception in flight, out of bucket k's hook (its gradients: `pieces`), as the ddp::Error
+/// that names the bucket: a ddp::Error keeps its code; anything else is the hook's own fault
+/// (Errc::invalid_argument).
+DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                         std::span<const BucketPiece> pieces);
+
+}  // namespace detail
+
+/// The built-in hook all_reduce: bucket.buffer reduced with bucket.op (torch's allreduce_hook).
+struct AllReduceHook {
+  /// Starts the all_reduce of `b`'s buffer; the Work finishes it.
+  template <class Comm, class T>
+  Work operator()(Comm& comm, GradBucket<T>& b) const {
+    return comm.all_reduce_async(b.buffer, b.op);
+  }
+};
+/// The built-in compression hooks: float32 values travel and are reduced as `wire`
+/// (DType::float16 or DType::bfloat16), the result rounded to it (Communicator::all_reduce_as).
+struct CompressHook {
+  DType wire = DType::bfloat16;  ///< The type on the wire.
+  /// Starts the all_reduce of `b`'s buffer carried as `wire`; the Work finishes it.
+  template <class Comm, class T>
+  Work operator()(Comm& comm, GradBucket<T>& b) const {
+    return comm.all_reduce_as_async(b.buffer, wire, b.op);
+  }
+};
+/// The built-in hook of ZeRO: the reduce_scatter of bucket.buffer into bucket.output.
+struct ReduceScatterHook {
+  /// Starts the reduce_scatter of `b`'s buffer into its output; the Work finishes it.
+  template <class Comm, class T>
+  Work operator()(Comm& comm, GradBucket<T>& b) const {
+    return comm.reduce_scatter_async(b.buffer, b.output, b.op);
+  }
+};
+/// all_reduce of the bucket (GradientAverager's default; torch's allreduce_hook).
+inline constexpr AllReduceHook allreduce_hook{};
+/// float32 gradients as float16 on the wire (torch's fp16_compress_hook).
+inline constexpr CompressHook fp16_compress_hook{DType::float16};
+/// float32 gradients as bfloat16 on the wire (torch's bf16_compress_hook).
+inline constexpr CompressHook bf16_compress_hook{DType::bfloat16};
+/// float32 gradients as `wire` (DType::float16 or DType::bfloat16) on the wire.
+[[nodiscard]] constexpr CompressHook compress_hook(DType wire) noexcept { return {wire}; }
+/// reduce_scatter of the bucket: each rank gets its block (ShardedAverager's default).
+inline constexpr ReduceScatterHook reduce_scatter_hook{};
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/training/averaging/impl/comm_hooks.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/training/averaging/comm_hooks.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
+                                         std::span<const BucketPiece> pieces) {
+  Errc code = Errc::invalid_argument;
+  std::string what = "an exception that is not a std::exception", params;
+  const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
+  try {
+    throw;
+  } catch (const Error& e) {
+    code = e.code(), what = e.what(), hint = "";
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  for (const BucketPiece& p : pieces)
+    params += (params.empty() ? "" : ", ") + std::to_string(p.param);
+  return std::make_exception_ptr(
+      Error(code, concat("rank ", rank, ": ", who, ": the comm hook failed on bucket ", k,
+                         " (parameters ", params, "): ", what, "; the step was dropped", hint)));
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/training/averaging/impl/comm_hooks.ipp
+#endif
+// end ddp/training/averaging/comm_hooks.hpp
+// begin ddp/training/averaging/join.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
@@ -24455,1007 +24811,337 @@ class Join {
 };
 
 DDP_END_NAMESPACE
-// end ddp/training/join.hpp
-// begin ddp/training/shard_mirror.hpp
+// end ddp/training/averaging/join.hpp
+// begin ddp/training/averaging/parameters.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// ddp::ShardMirror: a ShardedAverager's sharded state kept in memory, each rank's shard also on
-/// the rank before it (rank 0's on the last), so that a job that loses a rank recovers that
-/// rank's shard of the optimizer state from its neighbour, without a disk and without losing a
-/// step (ShardedAverager::save(mirror, tag, state), load(mirror, tag)).
-///
-///  * save(mirror, ...): two small all_gathers (the save's number, the sizes), then an
-///    all_to_all in which each rank sends its shard (what save(path) would write: the shard's
-///    parameter values, its layout, `state`) to the rank before it. Each rank keeps the two
-///    newest saves: its own shard and its neighbour's of each (4 shards' worth of memory, reused
-///    from save to save).
-///  * load(mirror, tag) takes the newest save (with that tag) of which the survivors hold every
-///    old rank's shard, and cuts it again for the new world as a sharded checkpoint is cut
-///    (training/reshard.hpp). One loss, or losses of ranks no two of which are neighbours, lose
-///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
-///    resume from a sharded checkpoint on disk).
-///  * A save that a failure interrupted is complete on some ranks and not on others; the older
-///    save is kept for that case. load() mirrors the save it loaded again on the new world
-///    before it returns, so a second loss right after a recovery loses nothing either. With
-///    TrainingState, save before commit() and load the tag of the restored commit: a commit
-///    completes only after every rank finished its save.
+/// What a model is to the averagers: the Parameter and Model concepts, and how a parameter type
+/// is adapted. A Model is a sized range of parameters, or has parameters() returning one (and
+/// may have buffers(): state such as BatchNorm's running statistics). A parameter has a value and
+/// a gradient, mutable tensors of one floating-point type: members `value` and `grad` (data or
+/// functions), or a ddp::parameter_traits<P> specialization, by which a framework's adapter also
+/// says how its gradients are made and when they are final (ddp/adapters/torch_training.hpp).
 
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// begin ddp/training/reshard.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The insides of load_sharded_checkpoint: finding the newest complete set of shard files (of
-/// any world size) among the files every rank sees, and handing each rank its state, cut again
-/// for the world size that loads it.
-///
-///  * Each rank lists the shard files it sees ("<path>.rankK-of-N.G.ID"); the lists are gathered,
-///    and the newest save G with a file of every one of its N ranks somewhere is chosen. Ranks
-///    may share one file system or each have a disk of its own.
-///  * Old rank K's file is read by rank K % M when that rank sees it (K itself when the world
-///    size is unchanged), else by the lowest rank that does: each file is read once.
-///  * Unchanged world size and layouts: each rank keeps its own file, nothing moves. Otherwise
-///    each reader cuts its files' sharded sections (Checkpoint::put_sharded) into the pieces each
-///    new rank's layout needs and scatters them; every rank can compute every piece's size from
-///    the gathered layouts, so bytes are all that travel. A section that is not sharded must be
-///    the same in every file (it goes to every rank) unless the world size is unchanged (each
-///    rank keeps its own).
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/files.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <map>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
-/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
-/// identifier, 16 hex digits), and removes the older generations only once the new one is
-/// complete on every rank.
-[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
-  return detail::concat(path, ".rank", rank, "-of-", world);
-}
-
-/// The layout a rank wants a sharded section in (load_sharded_checkpoint): given the section's
-/// name and its arrays' sizes.
-using ShardLayoutFor =
-    std::function<ShardLayout(std::string_view section, const std::vector<std::size_t>& sizes)>;
-
-namespace detail {
-
-/// One shard file: old rank `rank` of `world`, generation `g` of save `id` (g = 0: the one
-/// unnumbered file "<path>.rankR-of-N" that saves before generations wrote).
-struct ShardFile {
-  std::uint64_t g = 0, id = 0, world = 0, rank = 0;
-  friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
-};
-
-DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f);
-#if DDP_BODIES
-DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f) {
-  std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
-  if (f.g == 0) return out;
-  char hex[17];
-  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(f.id >> (60 - 4 * i)) & 15];
-  hex[16] = '\0';
-  return concat(out, ".", f.g, ".", hex);
-}
-#endif  // DDP_BODIES
-
-/// Digits without a leading zero ("0" itself allowed) as a number.
-DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v);
-#if DDP_BODIES
-DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v) {
-  if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
-  v = 0;
-  for (const char c : t) {
-    if (c < '0' || c > '9') return false;
-    v = v * 10 + static_cast<std::uint64_t>(c - '0');
-  }
-  return true;
-}
-#endif  // DDP_BODIES
-
-/// Every shard file of `path` (any rank, any world size) in its directory, newest first.
-DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path);
-#if DDP_BODIES
-DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path) {
-  std::vector<ShardFile> out;
-  for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
-    const std::string_view r = rest;
-    const std::size_t of = r.find("-of-");
-    if (r.substr(0, 4) != "rank" || of == std::string_view::npos) continue;
-    const std::size_t dot = r.find('.', of);
-    ShardFile f;
-    if (!parse_decimal(r.substr(4, of - 4), f.rank) ||
-        !parse_decimal(r.substr(of + 4, dot == std::string_view::npos ? dot : dot - of - 4),
-                       f.world) ||
-        f.world == 0 || f.rank >= f.world)
-      continue;
-    if (dot != std::string_view::npos) {
-      const std::string_view gen = r.substr(dot + 1);
-      const std::size_t d = gen.find('.');
-      if (d == std::string_view::npos || gen.size() != d + 17 ||
-          !parse_decimal(gen.substr(0, d), f.g) || f.g == 0)
-        continue;
-      bool ok = true;
-      for (const char c : gen.substr(d + 1)) {
-        const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        ok = ok && v >= 0;
-        f.id = f.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
-      }
-      if (!ok) continue;
-    }
-    out.push_back(f);
-  }
-  std::sort(out.begin(), out.end(), std::greater<>());
-  return out;
-}
-#endif  // DDP_BODIES
-
-/// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
-/// reads each old rank's file.
-struct ShardSet {
-  std::uint64_t world = 0, g = 0, id = 0;
-  std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
-};
-
-/// Collective: the newest save of which some rank holds every old rank's shard, `mine` being
-/// what this rank holds (std::nullopt when no rank holds any; Errc::mismatch when none is
-/// complete: `incomplete(key, have, missing, first_missing)` says what is missing).
-template <class Comm, class Incomplete>
-std::optional<ShardSet> choose_held(Comm& comm, const std::vector<ShardFile>& mine,
-                                    Incomplete&& incomplete) {
-  std::vector<std::uint64_t> words;
-  for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
-  // (g, id, world) -> the ranks that see each old rank's file
-  std::map<std::vector<std::uint64_t>, std::map<std::uint64_t, std::vector<int>>, std::greater<>>
-      saves;
-  const auto all = comm.all_gather_object(words);
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    for (std::size_t i = 0; i + 3 < all[r].size(); i += 4)
-      saves[{all[r][i], all[r][i + 1], all[r][i + 2]}][all[r][i + 3]].push_back(
-          static_cast<int>(r));
-  }
-  if (saves.empty()) return std::nullopt;
-  const auto m = static_cast<std::uint64_t>(comm.size());
-  // The newest complete save; among saves of one generation (another job's, under the same
-  // path), the one of this world size first.
-  const std::map<std::uint64_t, std::vector<int>>* best = nullptr;
-  ShardSet set;
-  for (const auto& [key, files] : saves) {
-    if (files.size() != key[2]) continue;  // old ranks 0..N-1 each seen (rank < world)
-    if (best != nullptr && (key[0] < set.g || set.world == m || key[2] != m)) continue;
-    best = &files;
-    set.g = key[0];
-    set.id = key[1];
-    set.world = key[2];
-  }
-  if (best == nullptr) {
-    const auto& [key, files] = *saves.begin();  // the newest, incomplete
-    std::string have, missing;
-    std::uint64_t first_missing = 0;
-    for (std::uint64_t k = key[2]; k-- > 0;) {
-      const bool seen = files.count(k) != 0;
-      if (!seen) first_missing = k;
-      std::string& to = seen ? have : missing;
-      to = concat(k, to.empty() ? "" : ", ", to);
-    }
-    const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
-    incomplete(ShardFile{key[0], key[1], key[2], first_missing}, shorten(have), shorten(missing));
-  }
-  for (std::uint64_t k = 0; k < set.world; ++k) {
-    const std::vector<int>& seen = best->at(k);
-    const int preferred = static_cast<int>(k % m);
-    set.reader.push_back(
-        std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
-  }
-  return set;
-}
-
-/// Collective: the newest save with a file of every one of its ranks seen by some rank
-/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
-/// there are files but no complete save). `mine`: this rank's shard_files.
-template <class Comm>
-std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
-                                         const std::vector<ShardFile>& mine) {
-  return choose_held(
-      comm, mine, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
-        fail(Errc::mismatch, "rank ", comm.rank(),
-             ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
-             f.g, " of ", f.world, " ranks, has the files of rank ", have, " but none of rank ",
-             missing, " (", shard_file_path(path, f),
-             "): the checkpoint is incomplete, its files come from different runs, or a rank's "
-             "disk cannot be reached; resume from a complete checkpoint");
-      });
-}
-
-/// What a shard file holds, as every rank needs to know it: its sections in order, each with
-/// words: {0, checksum, bytes} for a plain section; layout_words (element size first, never 0)
-/// for a sharded one.
-using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
-
-DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b);
-#if DDP_BODIES
-DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b) {
-  std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
-  for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
-  return h;
-}
-#endif  // DDP_BODIES
-
-DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file);
-#if DDP_BODIES
-DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file) {
-  FileInfo info;
-  for (const std::string& name : ck.names()) {
-    if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
-    if (const auto layout = ck.sharded_layout(name)) {
-      const auto words = ck.get_object<std::vector<std::uint64_t>>(layout_section(name));
-      if (ck.get(name).size() != layout->elements() * words[0])
-        fail(Errc::protocol, "Checkpoint: ", file, ": sharded section \"", name, "\" holds ",
-             ck.get(name).size(), " bytes, not the ", layout->elements(), " elements of ", words[0],
-             " bytes its layout says");
-      info.emplace_back(name, words);
-    } else if (name == "ddp.values") {
-      fail(Errc::mismatch, "Checkpoint: ", file,
-           " was saved by an older ddp, without the layout a new world size or other "
-           "ShardedOptions need; load it with those that saved it, save again, then resume");
-    } else {
-      info.emplace_back(
-          name, std::vector<std::uint64_t>{0, section_checksum(ck.get(name)), ck.get(name).size()});
-    }
-  }
-  return info;
-}
-#endif  // DDP_BODIES
-
-/// Calls f(destination element, source element, count) for each run of elements that old
-/// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.
-template <class F>
-void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
-  std::size_t wp = 0;
-  for (const ShardRange& w : to.ranges) {
-    std::size_t sp = 0;
-    for (const ShardRange& o : from.ranges) {
-      if (o.array == w.array) {
-        const std::size_t lo = std::max(o.offset, w.offset);
-        const std::size_t hi = std::min(o.offset + o.size, w.offset + w.size);
-        if (lo < hi) f(wp + lo - w.offset, sp + lo - o.offset, hi - lo);
-      }
-      sp += o.size;
-    }
-    wp += w.size;
-  }
-}
-
-/// Collective: each rank's checkpoint, in the layouts `want` gives (null: each rank's own at
-/// the same world size, ShardLayout::even at another), of save `set`, whose old rank K's
-/// checkpoint `files` holds on rank set.reader[K]. `what` and `file_name(K)` name them in errors.
-template <class Comm, class Name>
-Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t, Checkpoint>& files,
-                        const ShardLayoutFor& want, const char* what, Name&& file_name) {
-  const int me = comm.rank();
-  const auto m = static_cast<std::uint64_t>(comm.size());
-  const bool same_world = set.world == m;
-  const auto failed = [&](const std::string& error) {
-    fail_with_first(comm, comm.all_gather_object(error), what);
-  };
-  std::vector<std::pair<std::uint64_t, FileInfo>> infos;
-  std::string error;
-  try {
-    for (const auto& [k, ck] : files) infos.emplace_back(k, describe(ck, file_name(k)));
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  failed(error);
-  // 2. What every file holds, on every rank; the files must agree on their sections.
-  std::vector<FileInfo> info(set.world);
-  for (auto& from_rank : comm.all_gather_object(infos))
-    for (auto& [k, i] : from_rank) info[k] = std::move(i);
-  const auto refuse = [&](const auto&... why) {
-    fail(Errc::mismatch, "rank ", me, ": ", what, ": ", why...,
-         "; resume from a complete checkpoint");
-  };
-  std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
-  std::vector<std::size_t> element;  // their element sizes
-  for (const auto& [name, words] : info[0]) {
-    if (words[0] != 0) {
-      sharded.push_back(name);
-      element.push_back(static_cast<std::size_t>(words[0]));
-    }
-  }
-  for (std::uint64_t k = 1; k < set.world; ++k) {
-    if (info[k].size() != info[0].size())
-      refuse(file_name(k), " has ", info[k].size(), " sections but ", file_name(0), " has ",
-             info[0].size());
-    for (std::size_t i = 0; i < info[0].size(); ++i) {
-      const auto& [name, words] = info[k][i];
-      const auto& first = info[0][i].second;
-      if (name != info[0][i].first)
-        refuse(file_name(k), "'s section ", i, " is \"", name, "\" but ", file_name(0), "'s is \"",
-               info[0][i].first, "\"");
-      if ((words[0] == 0) != (first[0] == 0))
-        refuse("section \"", name, "\" is sharded in one rank's file and not in another's");
-      if (words[0] == 0 && !same_world && words != first)
-        refuse("section \"", name, "\" differs between ", file_name(0), " and ", file_name(k),
-               ", and it is not sharded: on another world size than the one that saved it, a "
-               "section must be the same on every rank (it goes to every rank) or be put with "
-               "Checkpoint::put_sharded (its values are cut again)");
-    }
-  }
-  std::vector<std::vector<ShardLayout>> old(sharded.size());  // [section][old rank]
-  for (std::size_t s = 0; s < sharded.size(); ++s) {
-    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> cover;
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      std::vector<std::uint64_t> words;
-      for (const auto& [name, w] : info[k])
-        if (name == sharded[s]) words = w;
-      auto [bytes, layout] = layout_of_words(words, file_name(k));
-      if (bytes != element[s] || (k != 0 && layout.sizes != old[s][0].sizes))
-        refuse("sharded section \"", sharded[s], "\" has other element sizes or arrays in ",
-               file_name(k), " than in ", file_name(0));
-      cover.resize(layout.sizes.size());
-      for (const ShardRange& r : layout.ranges) cover[r.array].emplace_back(r.offset, r.size);
-      old[s].push_back(std::move(layout));
-    }
-    for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
-      std::sort(cover[a].begin(), cover[a].end());
-      std::size_t next = 0;
-      bool once = true;
-      for (const auto& [offset, size] : cover[a]) {
-        once = once && offset == next;  // a gap (offset > next) or an overlap (offset < next)
-        next = offset + size;
-      }
-      if (!once || next != old[s][0].sizes[a])
-        refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
-               a, " (", old[s][0].sizes[a], " elements) exactly once");
-    }
-  }
-  // 3. The layout each rank wants each sharded section in.
-  std::vector<std::vector<std::uint64_t>> wanted_words;
-  try {
-    for (std::size_t s = 0; s < sharded.size(); ++s) {
-      const std::vector<std::size_t>& sizes = old[s][0].sizes;
-      ShardLayout l = want         ? want(sharded[s], sizes)
-                      : same_world ? old[s][static_cast<std::size_t>(me)]
-                                   : ShardLayout::even(sizes, me, comm.size());
-      if (l.sizes != sizes)
-        fail(Errc::mismatch, "the layout asked for sharded section \"", sharded[s], "\" has ",
-             l.sizes.size(), " arrays of other sizes than the ", sizes.size(),
-             " it was saved with");
-      check_layout(l, concat("the layout asked for sharded section \"", sharded[s], "\""));
-      wanted_words.push_back(layout_words(element[s], l));
-    }
-    error.clear();
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  failed(error);
-  const auto all_wanted = comm.all_gather_object(wanted_words);
-  std::vector<std::vector<ShardLayout>> wanted(m);  // [new rank][section]
-  bool moves = !same_world;
-  for (std::uint64_t d = 0; d < m; ++d) {
-    for (std::size_t s = 0; s < sharded.size(); ++s) {
-      wanted[d].push_back(layout_of_words(all_wanted[d][s], what).second);
-      moves = moves || !(wanted[d][s] == old[s][d]);
-    }
-  }
-  for (std::uint64_t k = 0; k < set.world; ++k)
-    moves = moves || set.reader[k] != static_cast<int>(k);
-  if (!moves) return std::move(files.at(static_cast<std::uint64_t>(me)));  // its own file
-  // 4. The plain sections come from old rank d's file (same world size) or rank 0's; the sharded
-  // ones from every file holding a piece of d's layout. Bytes s sends d, in the order d reads.
-  const auto plain_from = [&](std::uint64_t d) { return same_world ? d : 0; };
-  const auto for_each_piece = [&](int s, std::uint64_t d, auto&& f) {  // f(section, k, from, to, n)
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      if (set.reader[k] != s || k != plain_from(d)) continue;
-      for (const auto& [name, words] : info[k])
-        if (words[0] == 0)
-          f(name, k, std::size_t{0}, std::size_t{0}, static_cast<std::size_t>(words[2]));
-    }
-    for (std::size_t sec = 0; sec < sharded.size(); ++sec) {
-      for (std::uint64_t k = 0; k < set.world; ++k) {
-        if (set.reader[k] != s) continue;
-        for_each_overlap(
-            wanted[d][sec], old[sec][k], [&](std::size_t to, std::size_t from, std::size_t n) {
-              f(sharded[sec], k, from * element[sec], to * element[sec], n * element[sec]);
-            });
-      }
-    }
-  };
-  Checkpoint out;
-  std::map<std::string, std::string> values;  // the sharded sections' new bytes
-  for (std::size_t s = 0; s < sharded.size(); ++s)
-    values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
-  std::map<std::string, std::string> plain;
-  // One all_to_all of bytes: what this rank sends each rank, and receives from each, in rank
-  // order (every rank computes every size from what it gathered).
-  const auto me64 = static_cast<std::uint64_t>(me);
-  std::vector<std::size_t> send(m, 0), recv(m, 0);
-  for (std::uint64_t d = 0; d < m; ++d) {
-    for_each_piece(me, d,
-                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
-                     send[d] += n;
-                   });
-    for_each_piece(static_cast<int>(d), me64,
-                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
-                     recv[d] += n;
-                   });
-  }
-  std::string out_bytes, got;
-  std::size_t total_send = 0, total_recv = 0;
-  for (std::uint64_t d = 0; d < m; ++d) total_send += send[d], total_recv += recv[d];
-  out_bytes.reserve(total_send);
-  for (std::uint64_t d = 0; d < m; ++d)
-    for_each_piece(me, d,
-                   [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
-                       std::size_t n) {
-                     const auto b = files.at(k).get(name);
-                     out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
-                   });
-  got.resize(total_recv);
-  on_host_data(comm,  // through the device on backend::Nccl
-               std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
-               std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()),
-               [&](auto& from, auto& into) { comm.all_to_all(from, into, send, recv); });
-  std::size_t at = 0;
-  for (std::uint64_t s = 0; s < m; ++s) {
-    for_each_piece(
-        static_cast<int>(s), me64,
-        [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
-          const bool is_plain = [&] {
-            for (const auto& [nm, words] : info[k])
-              if (nm == name) return words[0] == 0;
-            return false;
-          }();
-          if (is_plain)
-            plain[name] = got.substr(at, n);
-          else
-            got.copy(values[name].data() + to, n, at);
-          at += n;
-        });
-  }
-  // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
-  for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
-    const std::string& b = words[0] == 0 ? plain[name] : values[name];
-    CheckpointRaw::put(out, name, std::as_bytes(std::span(b.data(), b.size())));
-    if (words[0] != 0) {
-      const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
-                                              sharded.begin());
-      out.put_object(layout_section(name), all_wanted[static_cast<std::size_t>(me)][s]);
-    }
-  }
-  out.put_object("ddp.shard",
-                 std::vector<std::uint64_t>{static_cast<std::uint64_t>(me), m, set.id});
-  return out;
-}
-
-/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
-/// (null: each rank's own at the same world size, ShardLayout::even at another).
-template <class Comm>
-Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
-                          const ShardLayoutFor& want) {
-  const int me = comm.rank();
-  // 1. Each reader loads and checks its files.
-  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
-  std::string error;
-  try {
-    for (std::uint64_t k = 0; k < set.world; ++k) {
-      if (set.reader[k] != me) continue;
-      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
-      std::optional<Checkpoint> ck = Checkpoint::load(file);
-      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
-      if (!ck->contains("ddp.shard"))
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " is not a shard file (it was not written by save_sharded_checkpoint)");
-      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
-      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
-        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
-             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
-             " ranks; a shard file is read under the name its rank and world size gave it");
-      if (set.g != 0 && stamp[2] != set.id)
-        fail(Errc::mismatch, "Checkpoint: ", file,
-             " holds another save than its name says (it was copied or renamed)");
-      files.emplace(k, std::move(*ck));
-    }
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  return reshard_held(comm, set, files, want, "load_sharded_checkpoint", [&](std::uint64_t k) {
-    return shard_file_path(path, {set.g, set.id, set.world, k});
-  });
-}
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/reshard.hpp
-
-#include <cstddef>
-#include <cstdint>
-#include <map>
-#include <optional>
-#include <set>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-namespace detail {
-struct MirrorAccess;
-}
-
-/// The in-memory sharded state of a ShardedAverager (see the file comment). Make it once, before
-/// the averager, and keep it across membership changes (the averager is made again after
-/// each; the mirror is not).
-class ShardMirror {
- public:
-  /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
-  [[nodiscard]] std::size_t bytes() const noexcept;
-  /// The tags of the saves kept on this rank, oldest first.
-  [[nodiscard]] std::vector<std::uint64_t> tags() const;
-  /// Forgets every save.
-  void clear() noexcept { saves_.clear(); }
-
- private:
-  friend struct detail::MirrorAccess;
-  struct Save {
-    std::uint64_t tag = 0, g = 0, id = 0, world = 0, rank = 0;
-    std::string own, next;  // this rank's shard, and rank (rank + 1) % world's
-  };
-  static constexpr std::size_t kept = 2;
-  std::vector<Save> saves_;  // oldest first
-};
-
-#if DDP_BODIES
-DDP_INLINE std::size_t ShardMirror::bytes() const noexcept {
-  std::size_t n = 0;
-  for (const Save& s : saves_) n += s.own.size() + s.next.size();
-  return n;
-}
-
-DDP_INLINE std::vector<std::uint64_t> ShardMirror::tags() const {
-  std::vector<std::uint64_t> t;
-  for (const Save& s : saves_) t.push_back(s.tag);
-  return t;
-}
-#endif  // DDP_BODIES
-
-namespace detail {
-
-/// ShardedAverager's access to a ShardMirror.
-struct MirrorAccess {
-  /// Collective: this rank's shard checkpoint (`state` with `extra` sections) kept in `m` and on
-  /// the rank before, as save `tag`.
-  template <class Comm>
-  static void save(Comm& comm, ShardMirror& m, std::uint64_t tag, const Checkpoint& state,
-                   std::span<const Checkpoint::Section> extra) {
-    const auto n = static_cast<std::uint64_t>(comm.size()),
-               me = static_cast<std::uint64_t>(comm.rank());
-    // 1. Every rank is here, so every rank finished the newest save: the one before it is
-    // needed no more, and its memory takes this one.
-    // The ranks must save the same tag and the same unsharded sections (after a loss they go
-    // to every survivor), checked here rather than found out after a loss.
-    const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
-    const auto ids = comm.all_gather_object(std::vector<std::uint64_t>{
-        newest, me == 0 ? random_value<std::uint64_t>() : 0, tag, plain_checksum(state)});
-    for (std::uint64_t r = 1; r < n; ++r) {
-      if (ids[r][2] != ids[0][2])
-        fail(Errc::mismatch, "rank ", me, ": ShardedAverager::save (in-memory copies): rank ", r,
-             " saves tag ", ids[r][2], " but rank 0 tag ", ids[0][2],
-             "; every rank saves the same tag (the steps done, say)");
-      if (ids[r][3] != ids[0][3]) refuse_plain(comm, state, r);
-    }
-    ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
-    for (const auto& r : ids) s.g = std::max(s.g, r[0]);
-    ++s.g;
-    if (m.saves_.size() >= ShardMirror::kept) {
-      s.own = std::move(m.saves_.front().own);
-      s.next = std::move(m.saves_.front().next);
-      m.saves_.erase(m.saves_.begin());
-    }
-    // 2. This rank's shard, then to the rank before it (sizes first).
-    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-    const std::string stamp = encode_object(std::vector<std::uint64_t>{me, n, tag});
-    sections.emplace_back("ddp.shard", stamp);
-    state.serialize_into(s.own, sections);
-    if (n > 1) {
-      const auto sizes = comm.all_gather_object(static_cast<std::uint64_t>(s.own.size()));
-      const std::uint64_t before = (me + n - 1) % n, after = (me + 1) % n;
-      std::vector<std::size_t> out_counts(n, 0), in_counts(n, 0);
-      out_counts[before] = s.own.size();
-      in_counts[after] = static_cast<std::size_t>(sizes[after]);
-      s.next.resize(in_counts[after]);
-      on_host_data(comm, bytes(s.own), bytes(s.next),  // through the device on backend::Nccl
-                   [&](auto& in, auto& out) { comm.all_to_all(in, out, out_counts, in_counts); });
-    } else {
-      s.next.clear();
-    }
-    m.saves_.push_back(std::move(s));
-  }
-
-  /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
-  /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
-  /// std::nullopt when no rank holds such a save. Before it returns, that save is mirrored again
-  /// on this world (each new shard on its own rank and the rank before it, under the same tag),
-  /// and every other save is dropped: the next loss, however soon, finds every shard twice.
-  template <class Comm>
-  static std::optional<Checkpoint> load(Comm& comm, ShardMirror& m,
-                                        std::optional<std::uint64_t> tag,
-                                        const ShardLayoutFor& want) {
-    const char* what = "ShardedAverager::load (in-memory copies)";
-    if (tag) {  // a tag no rank holds, while saves are held: say which are
-      std::vector<std::uint64_t> mine;
-      for (const auto& s : m.saves_) mine.push_back(s.tag);
-      std::set<std::uint64_t> tags;
-      for (const auto& r : comm.all_gather_object(mine)) tags.insert(r.begin(), r.end());
-      if (!tags.empty() && tags.count(*tag) == 0) {
-        std::string list;
-        for (const auto t : tags) list += concat(list.empty() ? "" : ", ", t);
-        fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a save tagged ",
-             *tag, " (the ranks hold tags ", list, "; each keeps its two newest saves)");
-      }
-    }
-    std::vector<ShardFile> held;
-    for (const auto& s : m.saves_) {
-      if (tag && s.tag != *tag) continue;
-      held.push_back({s.g, s.id, s.world, s.rank});
-      if (s.world > 1) held.push_back({s.g, s.id, s.world, (s.rank + 1) % s.world});
-    }
-    const auto set = choose_held(
-        comm, held, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
-          fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a copy of rank ",
-               f.rank, "'s shard of save ", f.g, " (", f.world,
-               " ranks), neither its own nor the one "
-               "on the rank before it: both were lost (held: ranks ",
-               have, "; missing: ranks ", missing, "); resume from a sharded checkpoint on disk");
-        });
-    if (!set) return std::nullopt;
-    std::map<std::uint64_t, Checkpoint> shards;  // old rank -> its checkpoint, on its reader
-    std::string error;
-    try {
-      for (std::uint64_t k = 0; k < set->world; ++k) {
-        if (set->reader[k] != comm.rank()) continue;
-        for (const auto& s : m.saves_) {
-          if (s.g != set->g || s.id != set->id || s.world != set->world) continue;
-          const std::string& b = s.rank == k ? s.own : s.next;
-          shards.emplace(k, Checkpoint::parse(b, name(k, *set)));
-        }
-      }
-    } catch (const Error& e) {
-      error = error_text(e);
-    }
-    fail_with_first(comm, comm.all_gather_object(error), what);
-    Checkpoint mine = reshard_held(comm, *set, shards, want, what,
-                                   [&](std::uint64_t k) { return name(k, *set); });
-    // Redundancy again before training goes on: the loaded save, mirrored on this world. The
-    // saves it came from are dropped (the loaded one is kept until its copy is whole).
-    const auto chosen = [&](const ShardMirror::Save& s) {
-      return s.g == set->g && s.id == set->id && s.world == set->world;
-    };
-    std::uint64_t loaded_tag = 0;
-    for (const auto& s : m.saves_)
-      if (chosen(s)) loaded_tag = s.tag;
-    for (const std::uint64_t t : comm.all_gather_object(loaded_tag))
-      loaded_tag = std::max(loaded_tag, t);
-    std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
-    Checkpoint again;
-    for (const std::string& section : mine.names())
-      if (section != "ddp.shard") detail::CheckpointRaw::put(again, section, mine.get(section));
-    save(comm, m, loaded_tag, again, {});
-    return mine;
-  }
-
- private:
-  /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
-  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c);
-  static std::uint64_t plain_checksum(const Checkpoint& c);
-  /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
-  /// Errc::mismatch naming the first section that differs.
-  template <class Comm>
-  [[noreturn]] static void refuse_plain(Comm& comm, const Checkpoint& state, std::uint64_t r) {
-    const auto all = comm.all_gather_object(plain_sections(state));
-    const auto& a = all[0];
-    const auto& b = all[r];
-    std::string which;
-    for (std::size_t i = 0; i < std::max(a.size(), b.size()) && which.empty(); ++i) {
-      if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
-        which = concat("section \"", i < b.size() ? b[i].first : a[i].first,
-                       "\" is on one of them only");
-      else if (a[i].second != b[i].second)
-        which = concat("section \"", a[i].first, "\" differs");
-    }
-    fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::save (in-memory copies): rank ",
-         r,
-         "'s state and rank 0's have "
-         "other unsharded sections (",
-         which,
-         "): after a loss they go to every survivor, so they "
-         "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
-  }
-  static std::span<std::uint8_t> bytes(std::string& s);
-  static std::string name(std::uint64_t k, const ShardSet& set);
-};
-
-#if DDP_BODIES
-DDP_INLINE std::vector<std::pair<std::string, std::uint64_t>> MirrorAccess::plain_sections(
-    const Checkpoint& c) {
-  std::vector<std::pair<std::string, std::uint64_t>> out;
-  for (const std::string& name : c.names())
-    if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
-      out.emplace_back(name, section_checksum(c.get(name)));
-  return out;
-}
-
-DDP_INLINE std::uint64_t MirrorAccess::plain_checksum(const Checkpoint& c) {
-  std::uint64_t h = 0;
-  for (const auto& [name, sum] : plain_sections(c))
-    h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
-  return h;
-}
-
-DDP_INLINE std::span<std::uint8_t> MirrorAccess::bytes(std::string& s) {
-  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
-}
-
-DDP_INLINE std::string MirrorAccess::name(std::uint64_t k, const ShardSet& set) {
-  return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
-                " ranks)");
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
-DDP_END_NAMESPACE
-// end ddp/training/shard_mirror.hpp
-// begin ddp/training/sharded.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ShardedAverager<Model, Backend>: sharded optimizer state (ZeRO stages 1 and 2), the sibling of
-/// GradientAverager.
-///
-///     ddp::ShardedAverager zero(comm, model);   // broadcasts rank 0's parameters
-///     Adam opt(zero.shard());                   // state for this rank's shard only: ~1/P
-///     for (...) {
-///       forward_backward(model, batch);         // zero.mark_ready(i) as gradients are final
-///       zero.synchronize();                     // this rank's shard holds averaged gradients
-///       opt.step(zero.shard());                 // update the shard only
-///       zero.gather();                          // every rank gets every updated parameter
-///     }
-///
-///  * The same bucket engine as GradientAverager's (ddp/training/buckets.hpp, the same options),
-///    with each bucket cut into P contiguous blocks of equal size (padded with zeros to a
-///    multiple of P); rank r owns block r of every bucket, so its shard is balanced to within one
-///    element per bucket. A large gradient (in_place_bytes and up) is communicated where it is:
-///    its first n - n % P elements; the n % P left over join the next small bucket.
-///  * A bucket whose gradients are all final starts its reduce_scatter (ddp::reduce_scatter_hook;
-///    register_comm_hook replaces it) in the background while backward goes on: rank r receives
-///    the averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them
-///    into the gradients' owned ranges (the rest is unspecified afterwards).
-///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, views of those
-///    values and gradients. A slice has `value` and `grad`, so the shard is itself a Model: an
-///    optimizer written for a model runs unchanged on it and keeps state (momentum, Adam's
-///    moments) for 1/P of the parameters (ZeRO-1). gather() all-gathers the updated blocks;
-///    reduce_scatter + all_gather move the bytes of one all_reduce.
-///  * Unused parameters count as zero; no_sync() accumulates micro-batches; buffers() are copied
-///    from rank 0 after each synchronize(). Not a Joinable: with uneven inputs use
-///    GradientAverager in a ddp::Join, or give every rank the same step count.
-///
-/// Checkpoints: save(path, state) has every rank write its own file (its shard of the parameters,
-/// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
-/// load(path) puts every rank's shard back, gathers, and returns `state`, from a set saved at any
-/// world size and with any ShardedOptions: state put with Checkpoint::put_sharded(name, values,
-/// layout()) is cut again for the new shard (ZeRO resharding). A set saved with another model is
-/// refused (Errc::mismatch). With a framework whose
-/// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
-/// does): an optimizer on the shard zeroes only the shard's.
-
-// #include "ddp/communicator.hpp" (already included above)
-// begin ddp/training/buckets.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// The bucket engine of GradientAverager and ShardedAverager, and the options they share. It
-/// plans the buckets (parameters in reverse order; large gradients in place; ShardedAverager: each
-/// bucket padded to P blocks, rank r owning block r), looks the buffers up again each step (the
-/// model may reallocate them), counts the gradients marked ready (mark_ready, or the framework's
-/// hooks), starts each full bucket in bucket order on every rank (its gradients packed into its
-/// host or device buffer, then its comm hook called: ddp/training/comm_hooks.hpp), waits for them
-/// in synchronize() and copies the results back.
-
-// #include "ddp/comm/timeline.hpp" (already included above)
-// #include "ddp/communicator.hpp" (already included above)
-// begin ddp/training/comm_hooks.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Comm hooks: what is done to a full bucket of gradients (torch's DDP register_comm_hook). The
-/// bucket engine (ddp/training/buckets.hpp) packs each bucket and calls its averager's hook;
-/// GradientAverager::register_comm_hook and ShardedAverager::register_comm_hook set one.
-///
-/// A comm hook is any callable
-///
-///     ddp::Work hook(ddp::Communicator<Backend>& comm, ddp::GradBucket<T>& bucket);
-///
-/// that leaves in bucket.output, on every rank, the reduction bucket.op over every rank's
-/// bucket.buffer, and returns the Work that finishes it (the bucket's buffers live until then).
-/// Every rank registers the same hook. Built in:
-///
-///     ddp::allreduce_hook       all_reduce (GradientAverager's default)
-///     ddp::fp16_compress_hook   float32 gradients travel and are reduced as float16 (half the
-///     ddp::bf16_compress_hook   bytes) or bfloat16; compress_hook(DType) takes the wire type
-///     ddp::reduce_scatter_hook  this rank's block only (ShardedAverager's default: ZeRO)
-///
-///     avg.register_comm_hook([&](auto& comm, auto& bucket) {   // counts, then the default
-///       ++calls;
-///       return ddp::allreduce_hook(comm, bucket);
-///     });
-///
-/// A hook runs in the thread that completes its bucket (with autograd's hooks, backward's). If it
-/// throws, or its Work fails with an exception that is not a ddp::Error, synchronize() throws a
-/// ddp::Error naming the bucket and its parameters (the code of a ddp::Error it threw,
-/// Errc::invalid_argument otherwise), once the buckets already started have finished; no later
-/// bucket of the step starts, so ranks whose hook fails alike stay in step, and the step is
-/// dropped. A collective's own failure (a lost peer, a timeout) passes as it is.
-///
-/// In a ddp::Join (uneven inputs), bucket.op is ReduceOp::sum and the averager divides the result
-/// by the number of ranks that trained the step; a rank that has finished calls the hook for each
-/// bucket of each step the others still train, with bucket.shadow set and a buffer of zeros, and
-/// drops the result. So a hook reduces with bucket.op and issues the same collectives whatever the
-/// buffer holds; one with state of its own (error feedback) leaves it alone when bucket.shadow.
-
-// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
-// #include "ddp/work.hpp" (already included above)
+#if DDP_HAS_CUDA
+// #include "ddp/cuda.hpp" (already included above)
+#endif
 
+#include <array>
 #include <cstddef>
-#include <exception>
+#include <cstdint>
+#include <cstring>
 #include <functional>
-#include <span>
-#include <string>
+#include <memory>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 DDP_BEGIN_NAMESPACE
 
-/// A gradient's part of a bucket: elements [offset, offset + size) of parameter `param`, at
-/// position `at` of the bucket's buffer.
-struct BucketPiece {
-  std::size_t param = 0;   ///< The parameter's index in the model.
-  std::size_t offset = 0;  ///< Its first element here (0 unless ShardedAverager split it).
-  std::size_t size = 0;    ///< Elements.
-  std::size_t at = 0;      ///< Where they are in the bucket's buffer.
-  /// The parameter's rows seen as a matrix, row-major (0: a vector, or the framework does not
-  /// say; see detail::param_rows). Meaningful when the piece is the whole parameter.
-  std::size_t rows = 0;
-};
-
-/// What a comm hook receives (torch's GradBucket). Valid until the step's synchronize().
-template <class T>
-struct GradBucket {
-  std::size_t index = 0;  ///< The bucket's place in launch order (0: the last parameters').
-  bool last = false;      ///< The last bucket of a step.
-  /// This rank's gradients, packed in `pieces` order (zero padding after them in a
-  /// ShardedAverager's bucket); host or device memory, as the backend moves it.
-  TensorView<T> buffer;
-  /// Where the result must be: `buffer` itself (GradientAverager), or this rank's block of it
-  /// (ShardedAverager: elements [r * n / P, (r + 1) * n / P) on rank r of P).
-  TensorView<T> output;
-  ReduceOp op = ReduceOp::avg;  ///< The reduction to leave there: avg; sum inside a ddp::Join.
-  bool shadow = false;  ///< A finished rank in a Join: `buffer` holds zeros, the result is dropped.
-  std::span<const BucketPiece> pieces;  ///< The gradients in `buffer`, in order.
-  /// Piece k's elements of `buffer`.
-  [[nodiscard]] TensorView<T> gradient(std::size_t k) const {
-    return buffer.subview(pieces[k].at, pieces[k].size);
-  }
-};
-
-/// Whether F is a comm hook for gradients of element type T on communicator type Comm.
-template <class F, class Comm, class T>
-concept CommHookFor = (std::is_invocable_r_v<Work, F&, Comm&, GradBucket<T>&>);
-/// A comm hook as an averager keeps it.
-template <class Comm, class T>
-using CommHook = std::function<Work(Comm&, GradBucket<T>&)>;
+/// Adapts a parameter type: specialize with static value(P&) and grad(P&) returning tensors.
+/// Optional, for frameworks: ensure_grad(P&) and has_grad(P&) (gradients made lazily: see
+/// detail::lazy_grad) and ready_hook(P&, std::function<void()>) (see detail::has_ready_hook);
+/// point(P&, std::span<T> value, std::span<T> grad) re-points a parameter at other memory (used
+/// by FullyShard, ddp/training/fully_sharded/fully_shard.hpp).
+template <class P>
+struct parameter_traits {};
 
 namespace detail {
 
-/// The exception in flight, out of bucket k's hook (its gradients: `pieces`), as the ddp::Error
-/// that names the bucket: a ddp::Error keeps its code; anything else is the hook's own fault
-/// (Errc::invalid_argument).
-DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
-                                         std::span<const BucketPiece> pieces);
-#if DDP_BODIES
-DDP_INLINE std::exception_ptr hook_error(int rank, const char* who, std::size_t k,
-                                         std::span<const BucketPiece> pieces) {
-  Errc code = Errc::invalid_argument;
-  std::string what = "an exception that is not a std::exception", params;
-  const char* hint = "; a hook returns the Work of the collectives it started, on every rank";
-  try {
-    throw;
-  } catch (const Error& e) {
-    code = e.code(), what = e.what(), hint = "";
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
-  }
-  for (const BucketPiece& p : pieces)
-    params += (params.empty() ? "" : ", ") + std::to_string(p.param);
-  return std::make_exception_ptr(
-      Error(code, concat("rank ", rank, ": ", who, ": the comm hook failed on bucket ", k,
-                         " (parameters ", params, "): ", what, "; the step was dropped", hint)));
+template <class P>
+concept has_value = (
+    requires(P & p) { parameter_traits<P>::value(p); } || requires(P & p) { p.value(); } ||
+    requires(P & p) { p.value; });
+template <class P>
+concept has_grad = (
+    requires(P & p) { parameter_traits<P>::grad(p); } || requires(P & p) { p.grad(); } ||
+    requires(P & p) { p.grad; });
+
+template <has_value P>
+decltype(auto) param_value(P& p) {
+  if constexpr (requires { parameter_traits<P>::value(p); })
+    return parameter_traits<P>::value(p);
+  else if constexpr (requires { p.value(); })
+    return p.value();
+  else
+    return (p.value);
 }
-#endif  // DDP_BODIES
+
+template <has_grad P>
+decltype(auto) param_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::grad(p); })
+    return parameter_traits<P>::grad(p);
+  else if constexpr (requires { p.grad(); })
+    return p.grad();
+  else
+    return (p.grad);
+}
+
+template <class M>
+decltype(auto) model_parameters(M& m) {
+  if constexpr (requires { m.parameters(); })
+    return m.parameters();
+  else
+    return (m);
+}
+
+/// The parameter type of model M.
+template <class M>
+using param_of_t = std::ranges::range_value_t<decltype(model_parameters(std::declval<M&>()))>;
+
+/// Creates parameter p's gradient as zeros where the framework makes them lazily (libtorch:
+/// before the first backward, or after zero_grad() set them to None), before the averager reads
+/// it: parameter_traits<P>::ensure_grad(p), where defined.
+template <class P>
+void ensure_grad(P& p) {
+  if constexpr (requires { parameter_traits<P>::ensure_grad(p); })
+    parameter_traits<P>::ensure_grad(p);
+}
+
+/// Parameter p's rows when its values are seen as a matrix, row-major (torch: p.size(0) of a
+/// tensor of 2 or more dimensions, the rest making the columns): parameter_traits<P>::rows(p) or
+/// p.rows(), where defined; 0 (a vector) otherwise. Comm hooks that work on matrices (PowerSGD)
+/// read it from BucketPiece::rows.
+template <class P>
+std::size_t param_rows(P& p) {
+  if constexpr (requires { parameter_traits<P>::rows(p); })
+    return static_cast<std::size_t>(parameter_traits<P>::rows(p));
+  else if constexpr (requires { p.rows(); })
+    return static_cast<std::size_t>(p.rows());
+  else
+    return 0;
+}
+
+/// Gradients a framework makes lazily: parameter_traits<P>::has_grad(p) says whether p has one
+/// yet. The averager then looks it up when its bucket starts (made by then, or the parameter was
+/// unused this step and gets zeros) instead of making zeros for backward to add into.
+template <class P>
+concept lazy_grad = requires(P& p) {
+  parameter_traits<P>::ensure_grad(p);
+  { parameter_traits<P>::has_grad(p) } -> std::convertible_to<bool>;
+};
+
+/// The framework calls back when p's gradient is final for this backward pass:
+/// parameter_traits<P>::ready_hook(p, std::function<void()>) returns a handle whose destruction
+/// removes the hook (libtorch: a post hook on the gradient's accumulator).
+template <class P>
+concept has_ready_hook = requires(P& p, std::function<void()> f) {
+  {
+    parameter_traits<P>::ready_hook(p, std::move(f))
+    } -> std::convertible_to<std::shared_ptr<void>>;
+};
+
+/// The model has buffers() (state that is not parameters): copied from rank 0 like them.
+template <class M>
+concept has_buffers = requires(M& m) {
+  requires std::ranges::range<decltype(m.buffers())>;
+  requires MutableTensor<std::ranges::range_reference_t<decltype(m.buffers())>>;
+};
+
+template <class T>
+inline constexpr bool is_floating_scalar_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
+    std::is_same_v<T, bfloat16>;
+
+template <class P>
+using value_of_t = decltype(param_value(std::declval<P&>()));
+template <class P>
+using grad_of_t = decltype(param_grad(std::declval<P&>()));
+
+/// Value and gradient typed at compile time: the same floating-point element type.
+template <class P>
+concept typed_parameter =
+    !DynamicTensor<value_of_t<P>> && !DynamicTensor<grad_of_t<P>> &&
+    std::is_same_v<tensor_value_t<value_of_t<P>>, tensor_value_t<grad_of_t<P>>> &&
+    is_floating_scalar_v<tensor_value_t<grad_of_t<P>>>;
+
+/// Value and gradient typed at run time (a framework's tensors): checked at construction.
+template <class P>
+concept dynamic_parameter = DynamicTensor<value_of_t<P>> && DynamicTensor<grad_of_t<P>>;
 
 }  // namespace detail
 
-/// The built-in hook all_reduce: bucket.buffer reduced with bucket.op (torch's allreduce_hook).
-struct AllReduceHook {
-  /// Starts the all_reduce of `b`'s buffer; the Work finishes it.
-  template <class Comm, class T>
-  Work operator()(Comm& comm, GradBucket<T>& b) const {
-    return comm.all_reduce_async(b.buffer, b.op);
-  }
+/// A parameter: a value and a gradient, mutable tensors of the same floating-point type (checked
+/// when the averager is made, for tensors typed at run time).
+template <class P>
+concept Parameter = requires(P& p) {
+  { detail::param_value(p) } -> MutableTensor;
+  { detail::param_grad(p) } -> MutableTensor;
+}
+&&(detail::typed_parameter<P> || detail::dynamic_parameter<P>);
+
+/// A model: a sized range of Parameters, or something whose parameters() returns one.
+template <class M>
+concept Model = requires(M& m) {
+  requires std::ranges::sized_range<decltype(detail::model_parameters(m))>;
+  requires Parameter<std::ranges::range_value_t<decltype(detail::model_parameters(m))>>;
 };
-/// The built-in compression hooks: float32 values travel and are reduced as `wire`
-/// (DType::float16 or DType::bfloat16), the result rounded to it (Communicator::all_reduce_as).
-struct CompressHook {
-  DType wire = DType::bfloat16;  ///< The type on the wire.
-  /// Starts the all_reduce of `b`'s buffer carried as `wire`; the Work finishes it.
-  template <class Comm, class T>
-  Work operator()(Comm& comm, GradBucket<T>& b) const {
-    return comm.all_reduce_as_async(b.buffer, wire, b.op);
+
+namespace detail {
+
+/// True when M is a Model; otherwise the first error the compiler prints says what to change
+/// (the averagers' deduction guides use it), instead of 50 lines of unsatisfied constraints.
+template <class M>
+consteval bool explain_model() {
+  if constexpr (Model<M>) {
+    return true;
+  } else if constexpr (requires(M & m) {
+                         m.get();
+                         *m;
+                         requires Model<std::remove_reference_t<decltype(*m)>>;
+                       }) {
+    static_assert(
+        always_false<M>,
+        "ddp: pass the model itself, *model: this is a pointer to it (a std::shared_ptr, "
+        "or libtorch's TORCH_MODULE holder); the averager keeps a reference to the model");
+  } else if constexpr (!requires(M & m) {
+                         requires std::ranges::sized_range<decltype(model_parameters(m))>;
+                       }) {
+    static_assert(always_false<M>,
+                  "ddp: this is not a model ddp knows: give the averager a sized range of "
+                  "parameters (e.g. std::vector<P>), or an object whose parameters() returns "
+                  "one (a torch::nn::Module with ddp/adapters/torch.hpp)");
+  } else {
+    static_assert(always_false<M>,
+                  "ddp: the model's parameters are not ddp::Parameters: each needs a value and a "
+                  "grad, mutable tensors of one floating-point type, as members (.value, .grad "
+                  "or value(), grad()) or through a specialization of ddp::parameter_traits<P> "
+                  "with static value(P&) and grad(P&) (ddp/training/averaging/parameters.hpp)");
   }
+  return false;
+}
+
+/// What an averager of a type that is not a Model is deduced to, after the error that says why:
+/// a valid model, whose averager takes any argument (a constructor declared, never defined), so
+/// that the compiler stops at that one error instead of listing every constructor it tried.
+struct rejected_parameter {
+  std::vector<float> value, grad;  ///< a Parameter's members
 };
-/// The built-in hook of ZeRO: the reduce_scatter of bucket.buffer into bucket.output.
-struct ReduceScatterHook {
-  /// Starts the reduce_scatter of `b`'s buffer into its output; the Work finishes it.
-  template <class Comm, class T>
-  Work operator()(Comm& comm, GradBucket<T>& b) const {
-    return comm.reduce_scatter_async(b.buffer, b.output, b.op);
+/// See rejected_parameter.
+struct rejected_model : std::vector<rejected_parameter> {};
+
+/// An averager's model type: M when it is a Model, else a compile error that says why (the
+/// averagers' deduction guides return Averager<model_t<M>, ...>, so both g++ and clang++ print
+/// the reason first, and nothing after it).
+template <class M>
+using model_t = std::conditional_t<explain_model<M>(), M, rejected_model>;
+
+/// The element type an averager of M uses by default: the gradients' type, or float32 where it
+/// is known only at run time (then checked at construction) or where P is no Parameter (the
+/// deduction guide has then said why).
+template <class M, class P = param_of_t<M>, bool = dynamic_parameter<P> || !Parameter<P>>
+struct model_element {
+  using type = tensor_value_t<grad_of_t<P>>;
+};
+template <class M, class P>
+struct model_element<M, P, true> {
+  using type = float;
+};
+
+/// A parameter's value or gradient as a TensorView<T>: a run-time-typed one is checked here.
+template <class T, class X>
+TensorView<T> typed_view(X& x, int rank, std::size_t i, const char* what, const char* who) {
+  const auto v = ddp::view(x);
+  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(v)>, DynamicView>) {
+    if (v.problem != nullptr || !v.contiguous)
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what,
+           " cannot be used: ", v.problem != nullptr ? v.problem : "it is not contiguous");
+    if (v.dtype != dtype_of<T>)
+      fail(Errc::invalid_argument, "rank ", rank, ": ", who, ": parameter ", i, "'s ", what, " is ",
+           to_string(v.dtype), " but parameter 0's gradient is ", to_string(dtype_of<T>), "; the ",
+           who, " takes one floating-point dtype per model");
+    return {static_cast<T*>(v.data), v.size, v.device, v.stream};
+  } else {
+    return {v.data, v.size, v.device, v.stream};
   }
-};
-/// all_reduce of the bucket (GradientAverager's default; torch's allreduce_hook).
-inline constexpr AllReduceHook allreduce_hook{};
-/// float32 gradients as float16 on the wire (torch's fp16_compress_hook).
-inline constexpr CompressHook fp16_compress_hook{DType::float16};
-/// float32 gradients as bfloat16 on the wire (torch's bf16_compress_hook).
-inline constexpr CompressHook bf16_compress_hook{DType::bfloat16};
-/// float32 gradients as `wire` (DType::float16 or DType::bfloat16) on the wire.
-[[nodiscard]] constexpr CompressHook compress_hook(DType wire) noexcept { return {wire}; }
-/// reduce_scatter of the bucket: each rank gets its block (ShardedAverager's default).
-inline constexpr ReduceScatterHook reduce_scatter_hook{};
+}
+
+/// Every rank has the same parameters (count, element type T, sizes) and the same `options`
+/// (bucket_bytes, first_bucket_bytes, in_place_bytes, broadcast_parameters, compression, the
+/// fields of `options_name`): Errc::mismatch names the first difference and the ranks.
+/// Collective.
+template <class T, class Comm>
+void check_same_parameters(Comm& comm, const std::vector<TensorView<T>>& values,
+                           const std::vector<TensorView<T>>& grads, const char* who,
+                           const char* options_name, std::array<std::uint64_t, 5> options) {
+  std::vector<std::uint64_t> sig{grads.size(), static_cast<std::uint64_t>(dtype_of<T>)};
+  sig.insert(sig.end(), options.begin(), options.end());
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].size != values[i].size)
+      fail(Errc::invalid_argument, "rank ", comm.rank(), ": ", who, ": parameter ", i, " has ",
+           values[i].size, " values but ", grads[i].size, " gradients");
+    sig.push_back(grads[i].size);
+  }
+  static constexpr const char* names[] = {"bucket_bytes", "first_bucket_bytes", "in_place_bytes",
+                                          "broadcast_parameters", "compression"};
+  const auto all = comm.all_gather_object(sig);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const auto &a = all[0], &b = all[r];
+    const auto differ = [&](const auto&... what) {
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, ": ", what..., " on rank ", r,
+           "; every rank must build the same model and give the same ", options_name);
+    };
+    if (a[0] != b[0]) differ("rank 0 has ", a[0], " parameters but ", b[0]);
+    if (a[1] != b[1])
+      differ("the gradients are ", to_string(static_cast<DType>(a[1])), " on rank 0 but ",
+             to_string(static_cast<DType>(b[1])));
+    for (std::size_t k = 7; k < a.size(); ++k)
+      if (a[k] != b[k])
+        differ("parameter ", k - 7, " has ", a[k], " elements on rank 0 but ", b[k]);
+    for (std::size_t k = 2; k < 7; ++k)
+      if (a[k] != b[k])
+        differ(options_name, "::", names[k - 2], " is ", a[k], " on rank 0 but ", b[k]);
+  }
+}
+
+#if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*);
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*);
+inline void sync_stream(bool, void*) {}
+inline void join_streams(bool, void*, void*) {}
+#endif
+
+}  // namespace detail
 
 DDP_END_NAMESPACE
-// end ddp/training/comm_hooks.hpp
-// #include "ddp/training/join.hpp" (already included above)
-// #include "ddp/training/parameters.hpp" (already included above)
+
+#if DDP_BODIES
+// begin ddp/training/averaging/impl/parameters.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/training/averaging/parameters.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE void copy_bytes(void* dst, const void* src, std::size_t n, bool, void*) {
+  if (n != 0) std::memcpy(dst, src, n);
+}
+
+DDP_INLINE void zero_bytes(void* dst, std::size_t n, bool, void*) {
+  if (n != 0) std::memset(dst, 0, n);
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+#endif
+// end ddp/training/averaging/impl/parameters.ipp
+#endif
+// end ddp/training/averaging/parameters.hpp
 
 #include <algorithm>
 #include <cmath>
@@ -25478,8 +25164,9 @@ enum class Compression {
   bfloat16  ///< float32 gradients sent as bfloat16 (half the bytes; float32's range)
 };
 
-/// How the averagers bucket and synchronize (torch DDP's constructor options). AveragerOptions
-/// and ShardedOptions are this type; ShardedAverager refuses compression.
+/// How the averagers bucket and synchronize (torch DDP's constructor options). GradientAverager
+/// and ShardedAverager both take it (AveragerOptions and ShardedOptions are its older names);
+/// ShardedAverager refuses compression.
 struct BucketOptions {
   /// Largest bucket, in bytes of gradient (torch's bucket_cap_mb = 25).
   std::size_t bucket_bytes = std::size_t{25} << 20;
@@ -25499,10 +25186,12 @@ struct BucketOptions {
   /// mark_ready from there, so buckets start during backward.
   bool hooks = true;
 };
-/// GradientAverager's options.
-using AveragerOptions = BucketOptions;
-/// ShardedAverager's options (compression must be none).
-using ShardedOptions = BucketOptions;
+/// GradientAverager's options' older name.
+using AveragerOptions [[deprecated("named BucketOptions: one options struct for both averagers")]] =
+    BucketOptions;
+/// ShardedAverager's options' older name.
+using ShardedOptions [[deprecated("named BucketOptions: one options struct for both averagers")]] =
+    BucketOptions;
 
 namespace detail {
 
@@ -25558,8 +25247,7 @@ class BucketEngine final : public AveragerBase {
       rows_.push_back(param_rows(p));
     }
     place();
-    check_same_parameters(*comm_, values_, grads_, who_,
-                          sharded ? "ShardedOptions" : "AveragerOptions",
+    check_same_parameters(*comm_, values_, grads_, who_, "BucketOptions",
                           {o_.bucket_bytes, o_.first_bucket_bytes, o_.in_place_bytes,
                            o_.broadcast_parameters, static_cast<std::uint64_t>(o_.compression)});
     if (o_.broadcast_parameters)
@@ -26088,38 +25776,10 @@ class BucketEngine final : public AveragerBase {
 }  // namespace detail
 
 DDP_END_NAMESPACE
-// end ddp/training/buckets.hpp
-// begin ddp/training/gradient.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// GradientAverager<Model, Backend>: what DistributedDataParallel does to gradients.
-///
-///  * At construction it checks that every rank has the same parameters (count, sizes, element
-///    type) and options (Errc::mismatch names the first difference and the ranks), and copies
-///    rank 0's values (and buffers) to every rank.
-///  * Gradients are averaged in buckets (ddp/training/buckets.hpp): parameters in reverse order,
-///    a small first bucket (1 MiB) so that communication starts early, then up to 25 MiB; 256 KiB
-///    and larger in place. mark_ready(i) says gradient i is final; a bucket whose gradients are
-///    all final starts in the background while backward goes on, in the same order on every
-///    rank. synchronize() waits and writes the averages back; a gradient never marked counts as
-///    zero (an unused parameter). no_sync() skips averaging while micro-batches accumulate.
-///  * What is done to a full bucket is its comm hook (ddp/training/comm_hooks.hpp):
-///    ddp::allreduce_hook; with AveragerOptions::compression the fp16 or bf16 hook (float32
-///    gradients travel as float16 or bfloat16: half the bytes); or register_comm_hook's.
-///  * found_nonfinite() agrees across ranks (dynamic loss scaling). It is a Joinable
-///    (ddp/training/join.hpp): with uneven inputs, the average is over the ranks that trained.
-///
-/// Models, parameters and their adaptation: ddp/training/parameters.hpp.
-
-// #include "ddp/backend/reduce.hpp" (already included above)
-// #include "ddp/comm/timeline.hpp" (already included above)
-// #include "ddp/communicator.hpp" (already included above)
-// #include "ddp/training/buckets.hpp" (already included above)
-// #include "ddp/training/comm_hooks.hpp" (already included above)
-// #include "ddp/training/join.hpp" (already included above)
-// #include "ddp/training/parameters.hpp" (already included above)
+// end ddp/training/averaging/buckets.hpp
+// #include "ddp/training/averaging/comm_hooks.hpp" (already included above)
+// #include "ddp/training/averaging/join.hpp" (already included above)
+// #include "ddp/training/averaging/parameters.hpp" (already included above)
 
 #include <algorithm>
 #include <cmath>
@@ -26199,8 +25859,8 @@ class Averager {
 
   /// What is done to every full bucket from now on (torch's register_comm_hook): `hook(comm,
   /// bucket)` leaves in bucket.output the reduction bucket.op of every rank's bucket.buffer and
-  /// returns the Work that finishes it; see ddp/training/comm_hooks.hpp for the contract, the
-  /// built-in hooks, errors and ddp::Join. It replaces AveragerOptions::compression. Every rank
+  /// returns the Work that finishes it; see ddp/training/averaging/comm_hooks.hpp for the contract,
+  /// the built-in hooks, errors and ddp::Join. It replaces BucketOptions::compression. Every rank
   /// registers the same hook, between steps. Gradients typed at run time: take `auto&`.
   template <class F>
   void register_comm_hook(F hook) {
@@ -26299,7 +25959,7 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
  public:
   /// Averages `model`'s gradients over `comm` (both must outlive the averager); copies rank 0's
   /// parameters (and buffers) to every rank unless `options` says not to. Collective.
-  GradientAverager(Communicator<Backend>& comm, M& model, AveragerOptions options = {})
+  GradientAverager(Communicator<Backend>& comm, M& model, BucketOptions options = {})
       : Base(comm, model, options, first_dtype(comm, model)) {
     this->typed([&](auto t) {
       this->impl_ = std::make_unique<detail::BucketEngine<decltype(t), M, Backend>>(comm, model,
@@ -26311,7 +25971,7 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
   template <class Other>
     requires std::same_as<M, detail::rejected_model> GradientAverager(Communicator<Backend>& comm,
                                                                       Other& model,
-                                                                      AveragerOptions options = {});
+                                                                      BucketOptions options = {});
 
   /// Joinable (ddp::Join, uneven inputs): in a Join, gradients are summed and divided by the
   /// number of ranks that trained the step; a finished rank runs each bucket's comm hook on
@@ -26446,434 +26106,864 @@ class GradientAverager : public detail::Averager<M, Backend>, public Joinable {
 
 /// `GradientAverager avg(comm, model)` deduces the model type and the backend.
 template <class Backend, class M>
-GradientAverager(Communicator<Backend>&, M&, AveragerOptions = {})
+GradientAverager(Communicator<Backend>&, M&, BucketOptions = {})
     -> GradientAverager<detail::model_t<M>, Backend>;
 
 DDP_END_NAMESPACE
-// end ddp/training/gradient.hpp
-// #include "ddp/training/parameters.hpp" (already included above)
-// #include "ddp/training/shard_mirror.hpp" (already included above)
-// begin ddp/training/sharded_checkpoint.hpp
+// end ddp/training/averaging/gradient.hpp
+// #include "ddp/training/averaging/join.hpp" (already included above)
+// begin ddp/training/averaging/powersgd.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
-/// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
+/// PowerSGD (Vogels et al., 2019), as torch's powerSGD_hook defines it: a comm hook that sends a
+/// rank-r approximation of each gradient matrix instead of the matrix.
 ///
-///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>.<id>
-///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
+///     ddp::PowerSGDHook powersgd({.rank = 4, .start_iter = 100});
+///     avg.register_comm_hook(powersgd);          // copies share one state
+///     ...
+///     powersgd.stats();                          // elements sent vs. uncompressed
 ///
-/// Each save is a new generation G of the files; the older ones are removed only once every rank
-/// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
-/// set to load: the newest generation that every rank has.
+/// Per bucket, once `start_iter` steps have gone by with a plain all_reduce: the error kept from
+/// the previous step is added to the gradients (error feedback); each gradient of a parameter
+/// whose rows the model gives (BucketPiece::rows, torch: size(0) of a tensor of 2+ dimensions)
+/// and that compresses by at least `min_compression_rate` is seen as an n x m matrix M, the
+/// rest (vectors, small or square-ish matrices: the per-tensor fallback) is all_reduced as it
+/// is, in one buffer. For the matrices: P = M Q (Q: the previous step's, warm start, else random
+/// and orthogonalized, the same on every rank), all_reduce(P), orthogonalize P, Q = M^T P,
+/// all_reduce(Q), M ~ P Q^T. The error, what this rank's gradient lost, is kept for the next
+/// step. So per matrix (n + m) r elements travel instead of n m.
 ///
-/// AsyncShardedSaver saves the same way in the background (every rank's file written by a thread
-/// of its own; the save complete once every rank's file is on disk).
+/// A step whose result holds an inf or a NaN (a loss-scaling step that overflowed) would leave
+/// them in the error and the warm-start Q, and every later step would be non-finite too: the
+/// bucket's error and Q are reset instead (the next step starts afresh, as the first compressed
+/// step does), counted in PowerSGDStats::resets. The result is the same on every rank, so every
+/// rank resets alike.
 ///
-/// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
-/// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
-/// for the new ranks, other sections must be the same in every file (ddp/training/reshard.hpp).
+/// Host memory only (there are no GPU kernels in ddp's headers): a bucket on a CUDA device is
+/// refused with Errc::unsupported. The hook computes and communicates when its bucket is ready,
+/// in the thread that completes it (its two all_reduces are small). In a ddp::Join, a finished
+/// rank's calls (bucket.shadow, zeros) issue the same collectives and leave the state alone.
 
 // #include "ddp/config.hpp" (already included above)
-// #include "ddp/training/checkpoint.hpp" (already included above)
-// #include "ddp/training/parameters.hpp" (already included above)
-// #include "ddp/training/reshard.hpp" (already included above)
-// #include "ddp/training/shard_mirror.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/averaging/comm_hooks.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
+// #include "ddp/work.hpp" (already included above)
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// PowerSGD's settings (torch's PowerSGDState).
+struct PowerSGDOptions {
+  /// The rank r of the approximation (matrix_approximation_rank).
+  std::size_t rank = 1;
+  /// Steps run with a plain all_reduce first (start_powerSGD_iter).
+  std::size_t start_iter = 1000;
+  /// A matrix n x m is compressed only when n m > (n + m) r times this.
+  double min_compression_rate = 2;
+  /// Keeps what compression lost and adds it to the next step's gradients.
+  bool error_feedback = true;
+  /// Starts each step's power iteration from the previous step's Q.
+  bool warm_start = true;
+  /// Added to each column's norm when orthogonalizing (0: none; a zero column stays zero).
+  float orthogonalization_epsilon = 0;
+  /// Seed of the random initial Q (the same on every rank).
+  std::uint64_t seed = 0;
+};
+
+/// What a PowerSGDHook has sent: elements of its all_reduces, and what plain all_reduces of the
+/// same buckets would have sent.
+struct PowerSGDStats {
+  std::uint64_t steps = 0;            ///< Steps seen (last buckets).
+  std::uint64_t sent = 0;             ///< Elements all_reduced, every step.
+  std::uint64_t uncompressed = 0;     ///< Elements of the buckets, every step.
+  std::uint64_t compressed_sent = 0;  ///< Of `sent`, in the compressed steps only.
+  std::uint64_t compressed_full = 0;  ///< Of `uncompressed`, in the compressed steps only.
+  /// Buckets whose error feedback and warm-start Q were reset after a non-finite result.
+  std::uint64_t resets = 0;
+};
+
+namespace detail {
+
+/// A reproducible standard normal sequence (splitmix64 and Box-Muller).
+class NormalSequence {
+ public:
+  explicit NormalSequence(std::uint64_t seed);
+  float next();
+
+ private:
+  std::uint64_t bits();
+  std::uint64_t s_;
+  float spare_ = 0;
+  bool has_spare_ = false;
+};
+
+// The factors are kept transposed, one row per column of P (r x n) and of Q (r x c), so that
+// every loop below runs over contiguous memory.
+
+/// Gram-Schmidt on the r rows (of n) of `a`, in place: each row made orthogonal to the ones
+/// before it (twice: once is not enough in floating point when rows are nearly dependent) and
+/// normalized (`epsilon` added to the norm). A row that is (numerically) in the span of the
+/// ones before it becomes zero: normalizing the rounding noise left of it would add a direction
+/// the data does not have.
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon);
+
+// Each kernel reads the big matrix m once (it is the gradient: megabytes), in chunks of its
+// rows that stay in the first-level cache while the r factors are applied to them.
+inline constexpr std::size_t powersgd_chunk = 256;
+
+/// pt (r x n) = (m q)^T for m (n x c, row-major) and qt = q^T (r x c).
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r);
+
+/// qt (r x c) = (m^T p)^T for m (n x c) and pt = p^T (r x n).
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r);
+
+/// m (n x c) = p q^T for pt = p^T (r x n) and qt = q^T (r x c); with `err`, err = what m held
+/// minus what it holds now (error feedback), in the same pass.
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r);
+
+}  // namespace detail
+
+/// The PowerSGD comm hook for float32 gradients (see the file comment). Copies share one state:
+/// register a copy and keep this one to read stats().
+class PowerSGDHook {
+ public:
+  /// A hook with its own state (checked: rank >= 1, min_compression_rate >= 0).
+  explicit PowerSGDHook(PowerSGDOptions o = {});
+
+  /// What has been sent so far.
+  [[nodiscard]] PowerSGDStats stats() const;
+  /// The settings it was made with.
+  [[nodiscard]] const PowerSGDOptions& options() const noexcept { return s_->o; }
+
+  /// Reduces `b` (see the file comment); returns a finished Work.
+  template <class Comm>
+  Work operator()(Comm& comm, GradBucket<float>& b) const {
+    State& s = *s_;
+    std::lock_guard lock(s.mutex);  // one bucket at a time: they share the state
+    if (b.buffer.device.is_cuda())
+      detail::fail(Errc::unsupported, "rank ", comm.rank(), ": PowerSGDHook: bucket ", b.index,
+                   " is on ", to_string(b.buffer.device),
+                   "; PowerSGD runs on host buckets only (ddp's headers carry no GPU kernels)");
+    const std::size_t n_all = b.buffer.size;
+    const bool compress = s.iter >= s.o.start_iter;
+    s.stats.uncompressed += n_all;
+    if (compress) s.stats.compressed_full += n_all;
+    if (b.last) {
+      ++s.iter;  // finished ranks too: every rank switches at the same step
+      ++s.stats.steps;
+    }
+    if (!compress) {
+      s.stats.sent += n_all;
+      comm.all_reduce(b.buffer, b.op);
+      return {};
+    }
+    if (s.buckets.size() <= b.index) s.buckets.resize(b.index + 1);
+    Bucket& mem = s.buckets[b.index];
+    float* g = b.buffer.data;
+    const bool feedback = s.o.error_feedback && !b.shadow;
+    if (feedback) {
+      if (mem.error.size() != n_all) mem.error.assign(n_all, 0.0f);
+      for (std::size_t i = 0; i < n_all; ++i) g[i] += mem.error[i];
+    }
+    // Which pieces are matrices worth compressing; the rest goes as it is, in one buffer.
+    struct Mat {
+      float* m;
+      std::size_t n, c, r, p_at, q_at;
+    };
+    std::vector<Mat> mats;
+    std::vector<float> plain;
+    std::vector<bool> is_matrix;
+    std::size_t p_len = 0, q_len = 0;
+    for (const BucketPiece& pc : b.pieces) {
+      const std::size_t n = pc.rows, c = n != 0 ? pc.size / n : 0;
+      const std::size_t r = std::min({s.o.rank, n, c});
+      const bool matrix =
+          pc.offset == 0 && n >= 2 && c >= 2 && n * c == pc.size &&
+          static_cast<double>(n * c) > static_cast<double>((n + c) * r) * s.o.min_compression_rate;
+      is_matrix.push_back(matrix);
+      if (matrix) {
+        mats.push_back({g + pc.at, n, c, r, p_len, q_len});
+        p_len += n * r;
+        q_len += c * r;
+      } else {
+        plain.insert(plain.end(), g + pc.at, g + pc.at + pc.size);
+      }
+    }
+    s.stats.sent += plain.size() + p_len + q_len;
+    s.stats.compressed_sent += plain.size() + p_len + q_len;
+    if (!plain.empty()) {
+      comm.all_reduce(plain, b.op);
+      std::size_t at = 0;
+      for (std::size_t k = 0; k < b.pieces.size(); ++k) {
+        if (is_matrix[k]) continue;
+        float* x = g + b.pieces[k].at;
+        if (feedback)  // what this rank's input lost
+          for (std::size_t j = 0; j < b.pieces[k].size; ++j)
+            mem.error[b.pieces[k].at + j] = x[j] - plain[at + j];
+        std::memcpy(x, plain.data() + at, b.pieces[k].size * sizeof(float));
+        at += b.pieces[k].size;
+      }
+    }
+    if (!mats.empty()) {
+      // Q: the previous step's (warm start) or random, orthogonalized, the same everywhere.
+      if (!s.o.warm_start || mem.q.size() != q_len) {
+        mem.q.resize(q_len);
+        detail::NormalSequence rng(s.o.seed * 0x100000001b3ull + b.index * 7919 + s.iter);
+        for (float& x : mem.q) x = rng.next();
+        for (const Mat& m : mats) detail::orthogonalize(mem.q.data() + m.q_at, m.r, m.c, 0);
+      }
+      std::vector<float> p(p_len), q(mem.q);
+      for (const Mat& m : mats)
+        detail::times(m.m, q.data() + m.q_at, p.data() + m.p_at, m.n, m.c, m.r);
+      comm.all_reduce(p, ReduceOp::sum);  // orthogonalized next: no need to average
+      for (const Mat& m : mats)
+        detail::orthogonalize(p.data() + m.p_at, m.r, m.n, s.o.orthogonalization_epsilon);
+      for (const Mat& m : mats)
+        detail::times_transposed(m.m, p.data() + m.p_at, q.data() + m.q_at, m.n, m.c, m.r);
+      comm.all_reduce(q, ReduceOp::sum);
+      if (b.op == ReduceOp::avg) {
+        const float inv = 1.0f / static_cast<float>(comm.size());
+        for (float& x : q) x *= inv;
+      }
+      for (const Mat& m : mats)  // and what this rank's input lost, kept for the next step
+        detail::outer(p.data() + m.p_at, q.data() + m.q_at, m.m,
+                      feedback ? mem.error.data() + (m.m - g) : nullptr, m.n, m.c, m.r);
+      if (!b.shadow) mem.q = std::move(q);
+    }
+    // An inf or NaN in the result (the same on every rank) would stay in the error and in Q
+    // and poison every later step: start this bucket afresh instead.
+    if (!std::all_of(g, g + n_all, [](float x) { return std::isfinite(x); })) {
+      if (!b.shadow) {
+        std::fill(mem.error.begin(), mem.error.end(), 0.0f);
+        mem.q.clear();
+      }
+      ++s.stats.resets;
+    }
+    return {};
+  }
+
+ private:
+  struct Bucket {
+    std::vector<float> error, q;
+  };
+  struct State {
+    PowerSGDOptions o;
+    std::size_t iter = 0;
+    std::vector<Bucket> buckets;  // by bucket index
+    PowerSGDStats stats;
+    std::mutex mutex;
+  };
+  std::shared_ptr<State> s_;
+};
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/training/averaging/impl/powersgd.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/training/averaging/powersgd.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE NormalSequence::NormalSequence(std::uint64_t seed) : s_(seed) {}
+
+DDP_INLINE float NormalSequence::next() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
+  const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
+  const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
+  const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+  spare_ = static_cast<float>(r * std::sin(t));
+  has_spare_ = true;
+  return static_cast<float>(r * std::cos(t));
+}
+
+DDP_INLINE std::uint64_t NormalSequence::bits() {
+  std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
+  const auto dot = [n](const float* x, const float* y) {
+    double s = 0;
+    for (std::size_t k = 0; k < n; ++k) s += double{x[k]} * y[k];
+    return s;
+  };
+  for (std::size_t i = 0; i < r; ++i) {
+    float* row = a + i * n;
+    const double before = std::sqrt(dot(row, row));
+    for (int pass = 0; pass < 2; ++pass) {
+      for (std::size_t j = 0; j < i; ++j) {
+        const auto f = static_cast<float>(dot(a + j * n, row));
+        for (std::size_t k = 0; k < n; ++k) row[k] -= f * a[j * n + k];
+      }
+    }
+    const double after = std::sqrt(dot(row, row));
+    const float scale = after > 1e-5 * before && after + epsilon > 0
+                            ? static_cast<float>(1.0 / (after + epsilon))
+                            : 0.0f;
+    for (std::size_t k = 0; k < n; ++k) row[k] *= scale;
+  }
+}
+
+DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
+                      std::size_t r) {
+  std::vector<float> acc(r * 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float* row = m + i * c;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::size_t j = 0;
+    for (; j + 8 <= c; j += 8)  // eight partial sums: vectorizes without reassociation
+      for (std::size_t k = 0; k < r; ++k)
+        for (std::size_t l = 0; l < 8; ++l) acc[k * 8 + l] += row[j + l] * qt[k * c + j + l];
+    for (std::size_t k = 0; k < r; ++k) {
+      const float* a = &acc[k * 8];
+      float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+      for (std::size_t t = 0; t < c - j; ++t) sum += row[j + t] * qt[k * c + j + t];
+      pt[k * n + i] = sum;
+    }
+  }
+}
+
+DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
+                                 std::size_t c, std::size_t r) {
+  std::fill(qt, qt + r * c, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float* row = m + i * c;
+    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
+      const std::size_t j1 = std::min(c, j0 + powersgd_chunk);
+      for (std::size_t k = 0; k < r; ++k) {
+        const float f = pt[k * n + i];
+        float* q = qt + k * c;
+        for (std::size_t j = j0; j < j1; ++j) q[j] += f * row[j];
+      }
+    }
+  }
+}
+
+DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
+                      std::size_t c, std::size_t r) {
+  float out[powersgd_chunk];
+  for (std::size_t i = 0; i < n; ++i) {
+    float* row = m + i * c;
+    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
+      const std::size_t len = std::min(c - j0, powersgd_chunk);
+      std::fill(out, out + len, 0.0f);
+      for (std::size_t k = 0; k < r; ++k) {
+        const float f = pt[k * n + i];
+        const float* q = qt + k * c + j0;
+        for (std::size_t j = 0; j < len; ++j) out[j] += f * q[j];
+      }
+      if (err != nullptr)
+        for (std::size_t j = 0; j < len; ++j) err[i * c + j0 + j] = row[j0 + j] - out[j];
+      std::copy(out, out + len, row + j0);
+    }
+  }
+}
+}  // namespace detail
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE PowerSGDHook::PowerSGDHook(PowerSGDOptions o) : s_(std::make_shared<State>()) {
+  if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
+  if (!(o.min_compression_rate >= 0))
+    detail::fail(Errc::invalid_argument, "PowerSGDHook: min_compression_rate must not be negative");
+  s_->o = o;
+}
+
+DDP_INLINE PowerSGDStats PowerSGDHook::stats() const {
+  std::lock_guard lock(s_->mutex);
+  return s_->stats;
+}
+
+DDP_END_NAMESPACE
+// end ddp/training/averaging/impl/powersgd.ipp
+#endif
+// end ddp/training/averaging/powersgd.hpp
+// begin ddp/training/elastic/elastic.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::Elastic: a fault-tolerant training loop in one object, in the spirit of Horovod's
+/// `hvd.elastic.run` and torchft's Manager. It owns the communicator and a TrainingState, runs
+/// the program's step function, commits after every step, and on a lost rank catches the
+/// failure, shrinks, restores the newest commit on every survivor, makes the program's
+/// averagers again (on_reset) and goes on; it admits the processes waiting to enter at a step
+/// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
+/// together (as many steps as the longest shard needs).
+///
+///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or join() if restarted
+///     job.track_model("net", net).track_sampler("sampler", sampler);
+///     std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
+///     job.on_reset([&](auto& comm) { avg.emplace(comm, net); });
+///     job.run_epochs(sampler, epochs, 64, [&](auto& comm, const ddp::ElasticBatch& b) {
+///       forward_backward(net, b.indices); avg->average(); update(net);
+///     });
+///
+/// The lower-level pieces stay available: Communicator::shrink / join / grow, TrainingState.
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// #include "ddp/detail/crypto.hpp" (already included above)
-// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/data/partition.hpp" (already included above)
+// #include "ddp/environment.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// begin ddp/training/elastic/state.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
 
-#include <dirent.h>
-#include <sys/stat.h>
-#include <unistd.h>
+/// \file
+/// ddp::TrainingState: the state a fault-tolerant training loop keeps, committed step by step, so
+/// that after a membership change (Communicator::shrink) every member goes on from the same last
+/// committed step: no step lost, none applied twice or half. In the spirit of Horovod Elastic's
+/// State (commit, restore, sync) and torchft's per-step commit, without a separate coordinator.
+///
+///     ddp::TrainingState state;
+///     state.track_model("model", net).track("adam.m", adam.m).track_object("done", done);
+///     state.start(comm);                        // rank 0's state everywhere: committed step 0
+///     for (;;) {
+///       try {
+///         for (; step < steps; ++step) {
+///           ...; avg.average(); adam.step(net);
+///           done = step + 1;                    // the steps this commit holds
+///           state.commit(comm);
+///         }
+///         break;
+///       } catch (const ddp::Error& e) {
+///         comm = comm.shrink();                 // the survivors
+///         state.restore(comm);                  // every member: the newest committed step
+///         step = done;                          // go on after it
+///       }
+///     }
+///
+/// commit() first confirms, in one small all_reduce, that every member finished this step (and
+/// is at the same commit), then copies the tracked state aside (host memory). A failure in the
+/// step (before commit) leaves the previous commit; a failure inside the confirmation can leave
+/// it complete on some members and not on others, but only after every member had finished the
+/// step: restore() then takes the newest commit any member holds, and a member that was still
+/// confirming it holds that state live. restore() sends it from the lowest member that holds it
+/// to every other (broadcast), so the members end bitwise equal, and writes it back into the
+/// tracked buffers and objects.
+
+// #include "ddp/checkpoint/checkpoint.hpp" (already included above)
+// #include "ddp/codec.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/data/partition.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/options.hpp" (already included above)
+// #include "ddp/process_group.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/averaging/parameters.hpp" (already included above)
+// #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
+#include <chrono>
+#include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <optional>
 #include <span>
 #include <string>
-#include <string_view>
-#include <system_error>
-#include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
 
 namespace detail {
-/// save_sharded_checkpoint, with `extra` sections added.
-///
-/// The protocol, on every rank: (1) agree on the new generation G, one past the newest of any
-/// rank and world size that any rank sees; (2) write, flush and rename the shard into
-/// "<stem>.G.ID" (a new name: nothing is replaced) and flush the directory; (3) gather every
-/// rank's outcome. When all succeeded, generation G is complete everywhere, and each rank removes
-/// its older generations (and those of other world sizes' rank K with K % size == rank); when a
-/// rank reported a failure, each rank removes its G file, and the previous generation is
-/// untouched. When the outcome cannot be gathered (a rank died), every file stays:
-/// load_sharded_checkpoint takes the newest generation complete on every rank, and the next
-/// successful save removes the rest.
-/// One save of a sharded checkpoint on this rank: its generation, its identifier and its file.
-struct ShardSave {
-  std::string stem, target;  // this rank's files' stem, and its new file
-  std::uint64_t generation = 0, id = 0, world = 0, me = 0;
-};
-
-/// Steps (1) of the protocol, collective: the new generation and the save's identifier.
-template <class Comm>
-ShardSave begin_shard_save(Comm& comm, const std::string& path,
-                           const char* who = "save_sharded_checkpoint") {
-  ShardSave s;
-  s.stem = shard_path(path, comm.rank(), comm.size());
-  std::string error;
-  std::uint64_t newest = 0;
-  try {
-    const auto files = shard_files(path);
-    if (!files.empty()) newest = files.front().g;
-  } catch (const Error& e) {
-    error = error_text(e);
-  }
-  fail_with_first(comm, comm.all_gather_object(error), who);
-  for (const std::uint64_t g : comm.all_gather_object(newest))
-    s.generation = std::max(s.generation, g);
-  ++s.generation;
-  if (comm.rank() == 0) s.id = detail::random_value<std::uint64_t>();
-  comm.broadcast_object(s.id, 0);
-  s.me = static_cast<std::uint64_t>(comm.rank());
-  s.world = static_cast<std::uint64_t>(comm.size());
-  s.target = shard_file_path(path, {s.generation, s.id, s.world, s.me});
-  return s;
-}
-
-/// Step (2), this rank alone: `ck` with `extra` sections and the save's stamp, written, flushed
-/// and renamed into s.target. Returns the error's text ("" when written); `written`: whether
-/// the file is there (renamed, even when the flush after it failed).
-DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
-                                   std::span<const Checkpoint::Section> extra, bool& written);
-#if DDP_BODIES
-DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
-                                   std::span<const Checkpoint::Section> extra, bool& written) {
-  written = false;
-  try {
-    const std::string stamp = encode_object(std::vector<std::uint64_t>{s.me, s.world, s.id});
-    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
-    sections.emplace_back("ddp.shard", stamp);  // a view: the stamp outlives the write
-    StagedFile f(s.stem, "Checkpoint");
-    f.write(ck.serialize_with(sections));
-    f.commit(s.target);  // a new name: nothing is replaced
-    written = true;
-    return {};
-  } catch (const Error& e) {
-    written = ::access(s.target.c_str(), F_OK) == 0;  // renamed, then the flush failed
-    return error_text(e);
-  } catch (const std::exception& e) {  // std::bad_alloc, from a background writer
-    return concat("rank ", s.me, ": ", e.what());
-  } catch (...) {
-    return concat("rank ", s.me, ": writing ", s.target, " failed");
-  }
-}
-#endif  // DDP_BODIES
-
-/// Step (3), collective: every rank's outcome (`error`, "" for success); the older generations
-/// removed when every rank's file is on disk, else this one's, and every rank fails with the
-/// first rank's error.
-template <class Comm>
-void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
-                       const std::string& error, bool written,
-                       const char* who = "save_sharded_checkpoint") {
-  const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
-  bool complete = true;
-  for (const auto& e : errors) complete = complete && e.empty();
-  if (!complete) {
-    if (written) {  // generation G is incomplete: it goes, the previous one stays
-      ::unlink(s.target.c_str());
-      (void)sync_dir(parent_dir(s.target));
-    }
-    fail_with_first(comm, errors, who);
-  }
-  // Generation G is on disk on every rank: the older ones are no longer needed, of this world
-  // size and of others (each file by one rank; newer ones, or other saves of G, are another
-  // job's that writes to the same path: they stay).
-  for (const ShardFile& f : shard_files(path)) {
-    if (f.g < s.generation && (f.world == s.world ? f.rank == s.me : f.rank % s.world == s.me))
-      ::unlink(shard_file_path(path, f).c_str());
-  }
-  remove_abandoned(s.stem);
-  (void)sync_dir(parent_dir(s.stem));
-}
-
-template <class Comm>
-std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
-                               std::span<const Checkpoint::Section> extra) {
-  const ShardSave s = begin_shard_save(comm, path);
-  bool written = false;
-  const std::string error = write_shard(s, ck, extra, written);
-  finish_shard_save(comm, path, s, error, written);
-  return s.id;
-}
-
-/// The values of `slices` (in CUDA memory when `cuda`), as the bytes of section "ddp.values",
-/// and its layout `layout` as the bytes of that section's companion.
-template <class Slices>
-std::pair<std::string, std::string> shard_values(const Slices& slices, const ShardLayout& layout,
-                                                 bool cuda) {
-  std::size_t element = 1, total = 0;
-  for (const auto& sl : slices) {
-    element = sizeof(*sl.value.data);
-    total += sl.value.bytes();
-  }
-  std::string values(total, '\0');
-  std::size_t at = 0;
-  for (const auto& sl : slices) {
-    copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda, sl.value.stream);
-    sync_stream(cuda, sl.value.stream);
-    at += sl.value.bytes();
-  }
-  return {std::move(values), encode_object(layout_words(element, layout))};
-}
-
-/// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
-/// `cuda`) as sharded section "ddp.values" laid out as `layout`, with `state`, through
-/// save_shard_files. Collective.
-template <class Comm, class Slices>
-std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
-                         const Slices& slices, const ShardLayout& layout, bool cuda) {
-  const auto [values, words] = shard_values(slices, layout, cuda);
-  const std::string companion = layout_section("ddp.values");
-  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
-  return save_shard_files(comm, state, path, extra);
-}
-
-/// The layout a load asks for (`who`'s, "ShardedAverager" say): `mine` (this rank's) for the
-/// parameters, whose sizes must be the checkpoint's (Errc::mismatch naming the first parameter
-/// that differs: a checkpoint of another model), even for other sharded sections.
-inline ShardLayoutFor wanted_layout(ShardLayout mine, int rank, int world, const char* who) {
-  return [mine = std::move(mine), rank, world, who](
-             std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
-    if (sizes == mine.sizes) return mine;
-    if (section == "ddp.values") {
-      std::size_t i = 0;
-      while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
-      fail(Errc::mismatch, who, "::load: the checkpoint holds ", sizes.size(),
-           " parameters and this model ", mine.sizes.size(),
-           i < sizes.size() && i < mine.sizes.size()
-               ? concat("; parameter ", i, " has ", sizes[i], " elements in the checkpoint but ",
-                        mine.sizes[i], " here")
-               : std::string(),
-           ": it was saved with another model");
-    }
-    return ShardLayout::even(sizes, rank, world);
-  };
-}
-
-/// ShardedAverager::save(mirror, ...): the values of this rank's `slices` and `state` kept in
-/// `mirror` as save `tag`, as save_shard writes them to a file. Collective.
-template <class Comm, class Slices>
-void save_shard_to_mirror(Comm& comm, ShardMirror& mirror, std::uint64_t tag,
-                          const Checkpoint& state, const Slices& slices, const ShardLayout& layout,
-                          bool cuda) {
-  const auto [values, words] = shard_values(slices, layout, cuda);
-  const std::string companion = layout_section("ddp.values");
-  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
-  MirrorAccess::save(comm, mirror, tag, state, extra);
-}
-
-/// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
-/// averager's layout; `file` names it) holds parameter values in the layout of this rank's
-/// `slices`, then copies them back into the slices. Collective: a rank's problem fails every
-/// rank (Errc::mismatch).
-template <class Comm, class Slices>
-void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, const Slices& slices,
-                   const ShardLayout& layout, bool cuda, const char* who = "ShardedAverager") {
-  std::string problem;
-  std::size_t bytes = 0;
-  for (const auto& sl : slices) bytes += sl.value.bytes();
-  const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
-  std::vector<std::uint64_t> legacy{static_cast<std::uint64_t>(comm.size())};  // older saves
-  for (const ShardRange& r : layout.ranges)
-    legacy.insert(legacy.end(), {r.array, r.offset, r.size});
-  if (!ck.contains("ddp.values")) {
-    problem = concat(file, " holds no parameters (it was saved by save_sharded_checkpoint, not ",
-                     who, "::save)");
-  } else if (ck.sharded_layout("ddp.values")
-                 ? *ck.sharded_layout("ddp.values") != layout
-                 : std::vector<std::uint64_t>(stamp.begin() + 3, stamp.end()) != legacy) {
-    problem = concat(file, " holds its parameters in another layout than this ", who, "'s");
-  } else if (ck.get("ddp.values").size() != bytes) {
-    problem = concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ",
-                     bytes, ": it was saved with another element type");
-  }
-  const auto problems = comm.all_gather_object(problem);
-  for (std::size_t r = 0; r < problems.size(); ++r) {
-    if (!problems[r].empty())
-      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, "::load: rank ", r, ": ", problems[r],
-           "; resume with the model that saved it");
-  }
-  const std::byte* values = ck.get("ddp.values").data();
-  for (const auto& sl : slices) {
-    copy_bytes(sl.value.data, values, sl.value.bytes(), cuda, sl.value.stream);
-    sync_stream(cuda, sl.value.stream);
-    values += sl.value.bytes();
-  }
+/// Test hook for fault injection: called with the phase of a state transfer reached ("transfer":
+/// the members agreed who sends, before the bytes go); tests kill the process there. Null
+/// outside tests.
+inline void (*&state_phase_hook() noexcept)(const char*) {
+  static void (*hook)(const char*) = nullptr;
+  return hook;
 }
 }  // namespace detail
 
-/// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
-/// generation of its shard files (shard_path(path, rank, size) + ".G.ID"). Each rank writes,
-/// flushes and renames its file into a name of its own; only when every rank has succeeded are
-/// the older generations removed. A failure anywhere (a full disk on one rank, a rank killed at
-/// any moment) therefore leaves the previous complete set loadable: a rank that reports a
-/// failure makes every rank remove the new generation and fail with that rank's error; a rank
-/// that dies leaves the files as they are, and load_sharded_checkpoint takes the newest set
-/// that is complete on every rank. Each file records the rank, the world size and a save
-/// identifier (the same in every rank's file: shard_save_id) that load_sharded_checkpoint
-/// checks. Returns the identifier. (ShardedAverager::save also records the shard's layout and
-/// parameter values.) Ranks may save to one shared file system or each to its own disk.
-template <class Comm>
-std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
-  return detail::save_shard_files(comm, ck, path, {});
-}
-
-/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
-/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
-/// beside it.
-[[nodiscard]] DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard);
-#if DDP_BODIES
-DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard) {
-  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
-  if (stamp.size() < 3)
-    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
-  return stamp[2];
-}
-#endif  // DDP_BODIES
-
-/// save_sharded_checkpoint in the background (torch.distributed.checkpoint's async_save): each
-/// rank's file is written by a thread of this saver while training goes on, and the save counts
-/// as complete only once every rank's file is on disk. Every rank of `comm` calls save() and
-/// wait() at the same points (both are collective, as save_sharded_checkpoint is):
-///
-///     ddp::AsyncShardedSaver saver;
-///     if (step % 100 == 0) {
-///       ddp::Checkpoint ck;                       // this rank's part: its shard, the step, ...
-///       ck.put_sharded("m", moments, layout);
-///       saver.save(comm, std::move(ck), "run.ckpt");  // agrees on the save, returns at once
-///     }
-///     ...
-///     saver.wait(comm);                            // before the program ends
-///
-/// save() first completes the save before it (as wait() does), then agrees with the other ranks
-/// on the new generation and starts writing this rank's file. wait() waits for this rank's
-/// write and gathers every rank's outcome: when all are on disk, the older generations are
-/// removed; when a rank failed (a full disk, a missing directory), its error is thrown on every
-/// rank and the new generation is removed. Until then load_sharded_checkpoint takes the newest
-/// generation whose files are all on disk, so a crash or SIGKILL at any moment leaves the last
-/// complete save loadable. A checkpoint that every rank holds whole (no sharded state) needs no
-/// coordination: rank 0 alone saves it with an AsyncSaver. The destructor waits for this rank's
-/// write but completes nothing (it is not collective): the next save() or a load does.
-class AsyncShardedSaver {
+/// Named training state, committed per step (see the file comment).
+class TrainingState {
  public:
-  AsyncShardedSaver() = default;
-  AsyncShardedSaver(const AsyncShardedSaver&) = delete;
-  AsyncShardedSaver& operator=(const AsyncShardedSaver&) = delete;
-  ~AsyncShardedSaver() {
-    if (writer_.joinable()) writer_.join();
+  /// Tracks a tensor's values (anything ddp::view sees: a std::vector, a span, a torch::Tensor;
+  /// host or CUDA memory), looked up again at every commit and restore (it may be reallocated
+  /// between steps, not resized). `tensor` must outlive this object.
+  template <class T>
+    requires requires(T& t) { ddp::view(t); }
+  TrainingState& track(std::string name, T& tensor) {
+    add(std::move(name), [&tensor] { return raw(ddp::view(tensor)); });
+    return *this;
   }
 
-  /// Collective: completes the save in flight (wait()), then starts saving `ck` (taken, nothing
-  /// copied) as this rank's part of a new generation of `path`. Returns the save's identifier
-  /// (shard_save_id of its files).
-  template <class Comm>
-  std::uint64_t save(Comm& comm, Checkpoint&& ck, const std::string& path) {
-    wait(comm);
-    detail::ShardSave s = detail::begin_shard_save(comm, path, "AsyncShardedSaver::save");
-    const std::uint64_t id = s.id;
-    pending_.emplace(Pending{std::move(s), path, std::move(ck), {}, false});
-    try {
-      writer_ = std::thread(
-          [p = &*pending_] { p->error = detail::write_shard(p->save, p->ck, {}, p->written); });
-    } catch (const std::system_error& e) {
-      pending_->error =
-          detail::concat("rank ", comm.rank(), ": AsyncShardedSaver: no thread to write ",
-                         pending_->save.target, ": ", e.what());
+  /// Tracks every parameter's value of `model` (what GradientAverager averages), as one piece
+  /// per parameter.
+  template <class M>
+  TrainingState& track_model(const std::string& name, M& model) {
+    std::size_t i = 0;
+    for (auto& p : detail::model_parameters(model)) {
+      add(detail::concat(name, ".", i++), [&p] { return raw(ddp::view(detail::param_value(p))); });
     }
-    return id;
-  }
-  /// save() of a copy of `ck`.
-  template <class Comm>
-  std::uint64_t save(Comm& comm, const Checkpoint& ck, const std::string& path) {
-    return save(comm, Checkpoint(ck), path);
+    return *this;
   }
 
-  /// Collective: waits for this rank's write of the save in flight, if any, and completes the
-  /// save on every rank (or fails on every rank with the first rank's error).
-  template <class Comm>
-  void wait(Comm& comm) {
-    if (writer_.joinable()) writer_.join();
-    if (!pending_) return;
-    Pending p = std::move(*pending_);
-    pending_.reset();
-    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written, "AsyncShardedSaver::wait");
+  /// Tracks an object ddp::codec encodes (the step, an epoch, a SamplerState, a seed).
+  template <Encodable T>
+  TrainingState& track_object(std::string name, T& object) {
+    Piece piece;
+    piece.name = new_name(std::move(name));
+    piece.kind = 1;
+    piece.describe = [] { return detail::type_tag<T>(); };
+    piece.save = [&object] { return detail::encode_object(object); };
+    piece.load = [&object](const std::string& bytes) {
+      object = detail::decode_object<T>(bytes.data(), bytes.size());
+    };
+    pieces_.push_back(std::move(piece));
+    return *this;
   }
 
-  /// Whether a save was started and not yet completed by wait().
-  [[nodiscard]] bool pending() const noexcept { return pending_.has_value(); }
+  /// Tracks a DistributedSampler's place in its epoch (advance() it after each batch): restored
+  /// with the rest, then, over a new number of ranks, dealt over them
+  /// (DistributedSampler::repartition), so that the samples no rank has taken in this epoch go
+  /// to the ranks that remain; over as many, each rank goes on from the same place.
+  TrainingState& track_sampler(std::string name, DistributedSampler& sampler);
+
+  /// Collective, before the first step: rank 0's tracked state goes to every rank and is
+  /// committed there as step 0.
+  template <ProcessGroup Comm>
+  void start(Comm& comm) {
+    confirming_ = 0;
+    steps_ = 0;
+    snapshot();
+    send_from(comm, 0);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
+  }
+
+  /// Collective, at the end of each step: every member confirms it finished this step (Errc::
+  /// mismatch when the members are at different commits), then this rank's state is copied
+  /// aside as the new commit. Returns the commits made since start(). A lost member makes it
+  /// fail as any collective does: then shrink() and restore().
+  template <ProcessGroup Comm>
+  std::uint64_t commit(Comm& comm) {
+    confirming_ = steps_ + 1;
+    // max of the commit and of its complement: the largest and the smallest over the members
+    // (three values: a commit on some ranks never pairs with a program's own all_reduce of two).
+    // The third: how many processes wait to join, as rank 0 sees them (Communicator::enter).
+    std::vector<double> at{static_cast<double>(confirming_), -static_cast<double>(confirming_),
+                           comm.rank() == 0 ? static_cast<double>(poll_entering(comm)) : 0.0};
+    comm.all_reduce_host(std::span<double>(at), ReduceOp::max);
+    entering_ = static_cast<int>(at[2]);
+    if (at[0] != -at[1])
+      detail::fail(Errc::mismatch, "rank ", comm.rank(),
+                   ": TrainingState::commit: this rank commits step ", confirming_,
+                   " but the members are at ", static_cast<long long>(-at[1]), " to ",
+                   static_cast<long long>(at[0]),
+                   ": every member must call commit() once per step (and restore() after a "
+                   "membership change)");
+    snapshot();
+    steps_ = confirming_;
+    confirming_ = 0;
+    return steps_;
+  }
+
+  /// Collective over a new membership (after shrink()): every member ends with the newest
+  /// commit any member holds, written back into the tracked buffers and objects; a member that
+  /// has none of its own (a newcomer, or one further behind) receives it. Returns its number.
+  template <ProcessGroup Comm>
+  std::uint64_t restore(Comm& comm) {
+    const auto all = comm.all_gather_object(std::vector<std::uint64_t>{steps_, confirming_});
+    // A member still confirming commit k had finished step k (every member had: the commit's
+    // collective had begun): its live state is step k, newer than its last commit.
+    std::uint64_t newest = 0;
+    for (const auto& m : all) newest = std::max({newest, m[0], m[1]});
+    int source = 0;
+    while (all[static_cast<std::size_t>(source)][0] != newest &&
+           all[static_cast<std::size_t>(source)][1] != newest)
+      ++source;
+    if (comm.rank() == source && steps_ != newest) snapshot();
+    send_from(comm, source);
+    for (Piece& p : pieces_)
+      if (p.regroup) p.regroup(comm.size(), comm.rank());
+    steps_ = newest;
+    confirming_ = 0;
+    return newest;
+  }
+
+  /// How many processes waited to join the job at the last commit(), the same on every member
+  /// (rank 0 looks at most every 50 ms). When it is not 0, every member calls grow(comm).
+  [[nodiscard]] int entering() const noexcept { return entering_; }
+  /// entering()'s older name.
+  [[deprecated("renamed TrainingState::entering()")]] [[nodiscard]] int joining() const noexcept {
+    return entering_;
+  }
+
+  /// Collective over the members, after a commit() whose entering() is not 0: admits the
+  /// processes waiting to enter (Communicator::grow with ticket()), replaces `comm` with the
+  /// grown communicator, and sends every member the last commit (restore()), the newcomers
+  /// included (they call restore() after Communicator::enter). Returns whether the membership
+  /// changed: then re-create the averagers over `comm` (their constructors are collective, and
+  /// the newcomers make theirs now). A failure meanwhile throws as a collective does, `comm`
+  /// already the grown one: shrink() it and restore(), as after any failure.
+  template <class Comm>
+  bool grow(Comm& comm) {
+    GrowOptions o;
+    o.ticket = ticket();
+    entering_ = last_waiting_ = 0;
+    Comm grown = comm.grow(o);
+    if (grown.epoch() == comm.epoch()) return false;
+    comm = std::move(grown);
+    restore(comm);
+    return true;
+  }
+
+  /// What a process must track alike to be admitted to the job (GrowOptions::ticket,
+  /// EnterOptions::ticket): each piece's name, kind and size (tensors: bytes; objects: a tag of
+  /// their type; samplers: the dataset size), in order.
+  [[nodiscard]] std::string ticket() const;
+
+  /// Commits made since start() (after restore(): the commit restored).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
+  /// Bytes of the copy kept aside (the last commit).
+  [[nodiscard]] std::size_t bytes() const noexcept;
 
  private:
-  struct Pending {
-    detail::ShardSave save;
-    std::string path;
-    Checkpoint ck;
-    std::string error;
-    bool written;
+  struct Raw {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    bool cuda = false;
+    void* stream = nullptr;
   };
-  std::optional<Pending> pending_;
-  std::thread writer_;
+  struct Piece {
+    std::string name;
+    std::uint8_t kind = 0;                         // 0 a tensor, 1 an object, 2 a sampler
+    std::function<std::uint64_t()> describe;       // what must agree: object type, dataset size
+    std::function<Raw()> where;                    // a tensor: its memory now
+    std::function<std::string()> save;             // an object: encoded
+    std::function<void(const std::string&)> load;  // an object: decoded back
+    std::function<void(int, int)> regroup;         // a sampler: dealt over (size, rank)
+    std::string saved;                             // the last commit
+  };
+
+  template <class V>
+  static Raw raw(const V& v) {
+    if constexpr (std::is_same_v<V, DynamicView>) {
+      return {v.data, v.size * size_of(v.dtype), v.device.is_cuda(), v.stream};
+    } else {
+      return {const_cast<void*>(static_cast<const void*>(v.data)), v.bytes(), v.device.is_cuda(),
+              v.stream};
+    }
+  }
+
+  std::string new_name(std::string name) const;
+
+  void add(std::string name, std::function<Raw()> where);
+
+  /// The tracked state now, copied aside.
+  void snapshot();
+
+  /// Rank `root`'s copy aside to every member, then written back into the tracked state on
+  /// every member. The members first compare the sizes of their tensors (every member fails
+  /// alike, naming the first that differs, when they do not track the same state).
+  template <ProcessGroup Comm>
+  void send_from(Comm& comm, int root) {
+    // Every member's pieces: name, kind, what must agree, and (tensors) bytes now and at the
+    // commit; every member checks them alike, so all fail together, naming the first that
+    // differs.
+    using Desc = std::pair<std::string, std::vector<std::uint64_t>>;
+    std::vector<Desc> mine;
+    for (const Piece& p : pieces_) {
+      const std::uint64_t now = p.where ? p.where().bytes : p.describe();
+      mine.push_back({p.name, {p.kind, now, p.saved.size()}});
+    }
+    const auto all = comm.all_gather_object(mine);
+    const auto& theirs = all[static_cast<std::size_t>(root)];
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      const auto differ = [&](const auto&... why) {
+        detail::fail(Errc::mismatch, "rank ", comm.rank(), ": TrainingState: ", why...,
+                     ": every member must track the same state (the same names, model, optimizer "
+                     "and types, in the same order), and a tracked tensor must keep its size");
+      };
+      if (all[r].size() != theirs.size())
+        differ("rank ", r, " tracks ", all[r].size(), " pieces but rank ", root, " tracks ",
+               theirs.size());
+      for (std::size_t i = 0; i < theirs.size(); ++i) {
+        const auto& [name, d] = all[r][i];
+        const auto& [root_name, rd] = theirs[i];
+        if (name != root_name || d[0] != rd[0])
+          differ("piece ", i, " is \"", name, "\" on rank ", r, " but \"", root_name, "\" on rank ",
+                 root, " (or of another kind)");
+        if (d[0] == 0 && d[1] != rd[2])
+          differ("\"", name, "\" holds ", d[1], " bytes on rank ", r, " but ", rd[2],
+                 " were committed on rank ", root);
+        if (d[0] != 0 && d[1] != rd[1])
+          differ("\"", name, "\" is ",
+                 d[0] == 1 ? "an object of another type" : "a sampler of another dataset size",
+                 " on rank ", r, " than on rank ", root);
+      }
+    }
+    if (detail::state_phase_hook() != nullptr) detail::state_phase_hook()("transfer");
+    for (Piece& p : pieces_) {
+      std::vector<std::int64_t> size{static_cast<std::int64_t>(p.saved.size())};
+      comm.broadcast_host(std::span<std::int64_t>(size), root);
+      p.saved.resize(static_cast<std::size_t>(size[0]));
+      if (!p.saved.empty()) {
+        comm.broadcast_host(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(p.saved.data()),
+                                                    p.saved.size()),
+                            root);
+      }
+      if (p.load) {
+        p.load(p.saved);
+      } else {
+        const Raw r = p.where();
+        detail::copy_bytes(r.data, p.saved.data(), r.bytes, r.cuda, r.stream);
+        detail::sync_stream(r.cuda, r.stream);
+      }
+    }
+  }
+
+  // Rank 0's look at the processes waiting to enter, at most every 50 ms.
+  template <class Comm>
+  int poll_entering(Comm& comm) {
+    if constexpr (requires { comm.waiting_to_enter(); }) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - polled_ < std::chrono::milliseconds(50)) return last_waiting_;
+      polled_ = now;
+      last_waiting_ = comm.waiting_to_enter();
+      return last_waiting_;
+    }
+    return 0;
+  }
+
+  std::vector<Piece> pieces_;
+  int entering_ = 0, last_waiting_ = 0;
+  std::chrono::steady_clock::time_point polled_{};
+  std::uint64_t steps_ = 0;       // commits made (since start)
+  std::uint64_t confirming_ = 0;  // the commit being confirmed (0: none)
 };
 
-/// Collective: loads the newest save of `path` that has a file of every rank that saved it
-/// (a save cut short leaves the one before it), saved at this world size or any other;
-/// std::nullopt on every rank when no rank sees any shard file (a run that starts afresh).
-///
-///  * At the world size that saved it, each rank gets its own file's checkpoint as it was saved.
-///  * At another world size (or with `layout` asking for other layouts), each rank gets the
-///    sections that are not sharded (which must then be the same in every file) and each
-///    sharded section (Checkpoint::put_sharded) holding the values of the pieces its layout
-///    names: `layout(section, sizes)`, or by default, at another world size,
-///    ShardLayout::even(sizes, rank, size). Old files are read once each, by any rank that sees
-///    them (shared storage or each rank's own disk), and pieces travel between ranks.
-///
-/// Fails on every rank when a file is invalid (Errc::protocol or Errc::system, naming the rank),
-/// when there are files but no complete save, when the files come from different saves, or
-/// when they disagree (Errc::mismatch).
-template <class Comm>
-[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm, const std::string& path,
-                                                                const ShardLayoutFor& layout = {}) {
-  std::string error;
-  std::vector<detail::ShardFile> files;
-  try {
-    detail::check_directory(shard_path(path, comm.rank(), comm.size()), "Checkpoint");
-    files = detail::shard_files(path);
-  } catch (const Error& e) {
-    error = detail::error_text(e);
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/training/elastic/impl/state.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/training/elastic/state.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE TrainingState& TrainingState::track_sampler(std::string name,
+                                                       DistributedSampler& sampler) {
+  Piece piece;
+  piece.name = new_name(std::move(name));
+  piece.kind = 2;
+  piece.describe = [&sampler] { return static_cast<std::uint64_t>(sampler.dataset_size()); };
+  piece.save = [&sampler] { return detail::encode_object(sampler.state()); };
+  piece.load = [&sampler](const std::string& bytes) {
+    const auto s = detail::decode_object<SamplerState>(bytes.data(), bytes.size());
+    sampler = DistributedSampler(static_cast<std::size_t>(s.dataset_size),
+                                 static_cast<int>(s.num_replicas), 0, sampler.options());
+    sampler.restore(s);
+  };
+  piece.regroup = [&sampler](int size, int rank) {
+    const SamplerState s = sampler.state();
+    if (s.num_replicas != static_cast<std::uint64_t>(size)) {
+      sampler.repartition(size, rank);
+    } else {  // as many ranks: each takes its positions from the same place on
+      sampler = DistributedSampler(sampler.dataset_size(), size, rank, sampler.options());
+      sampler.restore(s);
+    }
+  };
+  pieces_.push_back(std::move(piece));
+  return *this;
+}
+
+DDP_INLINE std::string TrainingState::ticket() const {
+  std::string t;
+  for (const Piece& p : pieces_) {
+    const char* kind = p.kind == 0   ? " tensor of bytes "
+                       : p.kind == 1 ? " object "
+                                     : " sampler of ";
+    t += detail::concat(t.empty() ? "" : ";", p.name, kind,
+                        p.where ? p.where().bytes : p.describe());
   }
-  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
-  const std::optional<detail::ShardSet> set = detail::choose_shard_set(comm, path, files);
-  if (!set) return std::nullopt;
-  return detail::load_shard_set(comm, path, *set, layout);
+  return t;
+}
+
+DDP_INLINE std::size_t TrainingState::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Piece& p : pieces_) n += p.saved.size();
+  return n;
+}
+
+DDP_INLINE std::string TrainingState::new_name(std::string name) const {
+  for (const Piece& p : pieces_)
+    if (p.name == name)
+      detail::fail(Errc::invalid_argument, "TrainingState: \"", name, "\" is tracked twice");
+  return name;
+}
+
+DDP_INLINE void TrainingState::add(std::string name, std::function<Raw()> where) {
+  Piece piece;
+  piece.name = new_name(std::move(name));
+  piece.where = std::move(where);
+  pieces_.push_back(std::move(piece));
+}
+
+DDP_INLINE void TrainingState::snapshot() {
+  for (Piece& p : pieces_) {
+    if (p.save) {
+      p.saved = p.save();
+      continue;
+    }
+    const Raw r = p.where();
+    p.saved.resize(r.bytes);
+    detail::copy_bytes(p.saved.data(), r.data, r.bytes, r.cuda, r.stream);
+    detail::sync_stream(r.cuda, r.stream);
+  }
 }
 
 DDP_END_NAMESPACE
-// end ddp/training/sharded_checkpoint.hpp
+// end ddp/training/elastic/impl/state.ipp
+#endif
+// end ddp/training/elastic/state.hpp
 
 #include <algorithm>
-#include <cmath>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -26883,212 +26973,560 @@ DDP_END_NAMESPACE
 
 DDP_BEGIN_NAMESPACE
 
-/// One piece of the shard a rank owns: elements [offset, offset + value.size) of parameter
-/// `param`. It has a value and a gradient, so it is a Parameter and a shard is a Model.
-template <class T>
-struct ShardSlice {
-  std::size_t param = 0;   ///< The parameter's index in the model.
-  std::size_t offset = 0;  ///< The slice's first element within the parameter.
-  TensorView<T> value;     ///< The parameter's values [offset, offset + size).
-  TensorView<T> grad;      ///< Their averaged gradients (after synchronize()).
+/// One step of Elastic::run_epochs on this rank.
+struct ElasticBatch {
+  /// This rank's dataset indices for the step: local_batch of them, fewer at the end of its
+  /// shard, none when its shard ran out before the longest (it steps with the others).
+  std::span<const std::size_t> indices;
+  /// The epoch (0-based).
+  int epoch = 0;
+  /// The step in the epoch, counted from where its samples were last dealt (0 at its start, and
+  /// again after a change of membership).
+  std::size_t step = 0;
+  /// This rank's full share of the global batch (the global batch over the ranks, rounded up):
+  /// divide sums by it, not by indices.size(), and a short batch makes a proportionally short
+  /// step.
+  std::size_t local_batch = 0;
 };
 
-/// Sharded optimizer state (see the file comment). T: the parameters' element type (deduced for
-/// typed parameters; give it for run-time-typed ones that are not float32). mark_ready,
-/// synchronize, average, no_sync, found_nonfinite and register_comm_hook are GradientAverager's.
-template <Model M, class Backend, class T = typename detail::model_element<M>::type>
-class ShardedAverager : public detail::Averager<M, Backend> {
-  using Base = detail::Averager<M, Backend>;
-  using Engine = detail::BucketEngine<T, M, Backend>;
-  static_assert(detail::is_floating_scalar_v<T>,
-                "ShardedAverager: T must be float, double, ddp::half or ddp::bfloat16");
+/// A change of membership, as Elastic::on_change reports it.
+struct ElasticChange {
+  /// What changed.
+  enum class Kind {
+    started,  ///< the job began (this process made the communicator with init())
+    joined,   ///< this process joined a running job (restarted by the launcher, or added)
+    lost,     ///< ranks were lost: the survivors go on (shrink, restore)
+    grew,     ///< newcomers were admitted
+  };
+  /// What changed.
+  Kind kind = Kind::started;
+  int size = 0;              ///< ranks now
+  int previous_size = 0;     ///< ranks before (0 when this process was not in the job)
+  std::uint64_t commit = 0;  ///< the commit every member goes on from
+  double ms = 0;             ///< how long the change took here, from the failure (lost) or call
+  std::string why;           ///< lost: the failure that started it
+};
 
+namespace detail {
+/// ElasticOptions::join_wait, enter_wait's older name: a wait set through it still counts (when
+/// enter_wait is 0), and setting it is deprecated (the warning names the new name), while the
+/// options' own copies and designated initializers of other fields warn of nothing.
+class RenamedWait {
  public:
-  /// The parameters' element type.
-  using value_type = T;
-  /// One owned range (see ShardSlice).
-  using Slice = ShardSlice<T>;
+  RenamedWait() = default;
+  template <class Rep, class Period>
+  [[deprecated("renamed ElasticOptions::enter_wait")]] RenamedWait(  // NOLINT: implicit
+      std::chrono::duration<Rep, Period> wait)
+      : wait_(std::chrono::duration_cast<std::chrono::milliseconds>(wait)) {}
+  /// The wait set through the old name.
+  [[nodiscard]] std::chrono::milliseconds get() const noexcept { return wait_; }
 
-  /// Shards `model`'s gradients and optimizer updates over `comm` (both must outlive it); copies
-  /// rank 0's parameters (and buffers) to every rank unless `options` says not to. Collective.
-  ShardedAverager(Communicator<Backend>& comm, M& model, ShardedOptions options = {})
-      : Base(comm, model, options, dtype_of<T>) {
-    this->impl_ = std::make_unique<Engine>(comm, model, options, true);
-    if (options.broadcast_parameters || options.broadcast_buffers) this->broadcast_buffers(0);
-    engine().for_each_owned([&](std::size_t param, std::size_t offset, std::size_t n) {
-      slices_.push_back({param, offset, {nullptr, n, {}, nullptr}, {nullptr, n, {}, nullptr}});
-      shard_size_ += n;
-    });
-    std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
-      return a.param != b.param ? a.param < b.param : a.offset < b.offset;
-    });
-    for (const auto& v : engine().values()) total_size_ += v.size;
+ private:
+  std::chrono::milliseconds wait_{0};
+};
+}  // namespace detail
+
+/// Settings of an Elastic loop.
+struct ElasticOptions {
+  /// How the survivors agree (ShrinkOptions::wait_for_ranks, exclude).
+  ShrinkOptions shrink{};
+  /// How long a newcomer waits to be admitted (EnterOptions::wait; 0: the timeout).
+  std::chrono::milliseconds enter_wait{0};
+  /// enter_wait's older name (used when enter_wait is 0); setting it is deprecated.
+  detail::RenamedWait join_wait{};
+  /// The fewest ranks the job goes on with: a loss that leaves fewer is rethrown.
+  int min_size = 1;
+  /// Losses recovered from at most (-1: no limit); the next one is rethrown.
+  int max_recoveries = -1;
+  /// When this process was left out of the job (stopped or cut off past the heartbeat, or
+  /// excluded by the others' shrink: it can never act again), end it: one line on stderr saying
+  /// so and why, then exit with Elastic::left_out_exit_code (a launcher counts it lost, or
+  /// restarts it to rejoin under --on-failure rejoin). False: Elastic rethrows the Errc::aborted
+  /// error instead.
+  bool exit_when_left_out = true;
+};
+
+/// A fault-tolerant training loop (see the file comment). Track the state first (before comm()
+/// or run), then run.
+template <class Backend>
+class Elastic {
+ public:
+  /// The communicator it owns.
+  using Comm = Communicator<Backend>;
+  /// The exit status of a process the job left out (ElasticOptions::exit_when_left_out):
+  /// EX_TEMPFAIL, a failure that a new attempt (a rejoin) may cure.
+  static constexpr int left_out_exit_code = 75;
+
+  /// Nothing is connected yet: the communicator is made (init(), or join() when the launcher
+  /// restarted this process to rejoin, Environment::rejoin) on the first comm() or run.
+  explicit Elastic(Environment env = Environment::detect(), Options options = {},
+                   ElasticOptions elastic = {})
+      : env_(std::move(env)), options_(std::move(options)), eo_(std::move(elastic)) {
+    state_.track_object("ddp.elastic.epoch", epoch_);
   }
-  /// A model ddp cannot take, after the compile error that says why (detail::rejected_model).
-  template <class Other>
-    requires std::same_as<M, detail::rejected_model> ShardedAverager(Communicator<Backend>& comm,
-                                                                     Other& model,
-                                                                     ShardedOptions options = {});
+  Elastic(const Elastic&) = delete;
+  Elastic& operator=(const Elastic&) = delete;
 
-  /// This rank's shard: the ranges of parameters it updates, by parameter then offset. The
-  /// views follow the model's buffers (looked up again at each step); a Model, for optimizers.
-  [[nodiscard]] std::span<Slice> shard() noexcept {
-    const auto &values = engine().values(), &grads = engine().grads();
-    for (Slice& s : slices_) {
-      const TensorView<T>&v = values[s.param], &g = grads[s.param];
-      s.value = {v.data + s.offset, s.value.size, v.device, v.stream};
-      s.grad = {g.data + s.offset, s.grad.size, g.device, g.stream};
+  /// What survives a loss, as TrainingState tracks it (track, track_model, track_object,
+  /// track_sampler); every process of the job tracks the same, in the same order, before the
+  /// communicator is made.
+  template <class T>
+    requires requires(T& t) { ddp::view(t); }
+  Elastic& track(std::string name, T& tensor) {
+    before_connect("track");
+    state_.track(std::move(name), tensor);
+    return *this;
+  }
+  /// Tracks every parameter of `model` (TrainingState::track_model).
+  template <class M>
+  Elastic& track_model(const std::string& name, M& model) {
+    before_connect("track_model");
+    state_.track_model(name, model);
+    return *this;
+  }
+  /// Tracks an object ddp::codec encodes (TrainingState::track_object).
+  template <Encodable T>
+  Elastic& track_object(std::string name, T& object) {
+    before_connect("track_object");
+    state_.track_object(std::move(name), object);
+    return *this;
+  }
+  /// Tracks a sampler's place in its epoch (TrainingState::track_sampler); run_epochs runs
+  /// over it.
+  Elastic& track_sampler(std::string name, DistributedSampler& sampler) {
+    before_connect("track_sampler");
+    state_.track_sampler(std::move(name), sampler);
+    samplers_.push_back(&sampler);
+    return *this;
+  }
+
+  /// Called with the communicator once it is made and after every change of membership, the
+  /// tracked state restored: make what depends on the communicator again (GradientAverager,
+  /// ShardedAverager: their constructors are collective, and a newcomer makes its own then).
+  Elastic& on_reset(std::function<void(Comm&)> f) {
+    reset_ = std::move(f);
+    return *this;
+  }
+  /// Called after every change of membership (to log it, say).
+  Elastic& on_change(std::function<void(const ElasticChange&)> f) {
+    change_ = std::move(f);
+    return *this;
+  }
+  /// Called with each commit's number once it is made: every member finished that step, which
+  /// no loss can undo (record what the step did, write a checkpoint every N commits). A commit
+  /// that this rank was still confirming when a member was lost, and to which the survivors
+  /// rolled forward, is reported after the recovery.
+  Elastic& on_commit(std::function<void(Comm&, std::uint64_t)> f) {
+    commit_ = std::move(f);
+    return *this;
+  }
+
+  /// The communicator (made on first use; the one of the current membership after a change).
+  [[nodiscard]] Comm& comm() {
+    connect();
+    return *comm_;
+  }
+  /// The tracked state.
+  [[nodiscard]] TrainingState& state() noexcept { return state_; }
+  /// The epoch run_epochs is in (restored with the rest).
+  [[nodiscard]] int epoch() const noexcept { return epoch_; }
+  /// Commits made: steps, and ends of epochs (the same on every member).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return state_.steps(); }
+  /// Losses recovered from so far on this process.
+  [[nodiscard]] int recoveries() const noexcept { return recoveries_; }
+
+  /// Runs `step(comm, n)` for n = steps() until `total` steps are committed, committing after
+  /// each; a loss makes the survivors go on from the newest commit (steps() restored with it).
+  void run(std::uint64_t total, const std::function<void(Comm&, std::uint64_t)>& step) {
+    connect();
+    for (;;) {
+      try {
+        while (state_.steps() < total) {
+          step(*comm_, state_.steps());
+          (void)commit();
+        }
+        return;
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        end_if_left_out(e);
+        recover(e);
+      }
     }
-    return slices_;
-  }
-  /// Elements in this rank's shard (the padding of buckets not counted).
-  [[nodiscard]] std::size_t shard_size() const noexcept { return shard_size_; }
-  /// Elements in all parameters.
-  [[nodiscard]] std::size_t total_size() const noexcept { return total_size_; }
-
-  /// Every rank's shard, updated, to every rank: afterwards each rank holds every parameter.
-  /// The bucket all_gathers run in the background while earlier ones are copied out. Refused
-  /// unless synchronize() has run since the last gather() (the shard's gradients would not be
-  /// averaged). Collective.
-  void gather() {
-    if (engine().started())
-      fail("gather(): this step's gradients are being reduced; call synchronize() first");
-    if (!engine().synced())
-      fail(
-          "gather(): synchronize() has not run since the last gather(), so the shard's gradients "
-          "are not averaged; call synchronize() (or average()) before the update");
-    engine().look_up_all();  // the parameters where they are now
-    engine().gather_values();
   }
 
-  /// Sets every gradient of the model to zero (gradients a framework has not made yet are left
-  /// alone). For frameworks whose backward adds into the gradients (libtorch): after a step the
-  /// shard's gradients hold averages and the rest hold what this rank sent, and an optimizer on
-  /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
-  void zero_grad() { engine().zero_grads(); }
-
-  /// This rank's shard as a ShardLayout: the arrays are the parameters (their element counts),
-  /// the pieces are shard()'s slices in order. Give it to Checkpoint::put_sharded with state
-  /// kept per element of the shard (an optimizer's moments, in shard() order), so that load()
-  /// can cut that state again for another world size or other ShardedOptions.
-  [[nodiscard]] ShardLayout layout() const {
-    ShardLayout out;
-    for (const auto& v : engine().values()) out.sizes.push_back(v.size);
-    for (const Slice& s : slices_) out.ranges.push_back({s.param, s.offset, s.value.size});
-    return out;
-  }
-
-  /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
-  /// parameter values of its shard (a sharded section laid out as layout()) and `state` (the
-  /// optimizer's state for the shard, put with Checkpoint::put_sharded(name, values, layout());
-  /// the step, ...), to shard_path(path, rank, size) through the two phases of
-  /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
-  /// Returns the save identifier.
-  std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
-    engine().look_up_all();
-    return detail::save_shard(*this->comm_, state, path, shard(), layout(), engine().cuda());
-  }
-
-  /// Collective: loads what save() wrote, saved at this world size or any other, with these
-  /// ShardedOptions or others: every rank's shard of the parameters goes back in place and is
-  /// gathered (every rank then holds every parameter), and the checkpoint is returned for the
-  /// rest (`state`'s sections), its sharded sections over this model's parameters in layout()
-  /// (other sharded sections evenly: see load_sharded_checkpoint). std::nullopt on every rank,
-  /// parameters untouched, when there is none. A set saved with another model, or by
-  /// save_sharded_checkpoint alone, fails on every rank with Errc::mismatch; damaged or mixed
-  /// files fail as in load_sharded_checkpoint.
-  [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
-    return restore(load_sharded_checkpoint(*this->comm_, path, wanted()),
-                   shard_path(path, this->comm_->rank(), this->comm_->size()));
-  }
-
-  /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror`, and a
-  /// copy on the rank before it, as save `tag` (the steps done, say); the two newest are kept
-  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory. Every
-  /// rank must save the same tag and the same unsharded sections of `state` (Errc::mismatch).
-  void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
-    engine().look_up_all();
-    detail::save_shard_to_mirror(*this->comm_, mirror, tag, state, shard(), layout(),
-                                 engine().cuda());
-  }
-
-  /// Collective, after a membership change (an averager made again over the survivors): loads
-  /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
-  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size), and
-  /// mirrors it again over this world before returning (every shard on two ranks again).
-  /// std::nullopt when no rank holds any save; Errc::mismatch when no rank holds `tag` (naming
-  /// the tags held), or when a shard was lost with both of the ranks holding it.
-  [[nodiscard]] std::optional<Checkpoint> load(ShardMirror& mirror,
-                                               std::optional<std::uint64_t> tag = std::nullopt) {
-    return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),
-                   detail::concat("the in-memory copy of rank ", this->comm_->rank(), "'s shard"));
-  }
-
-  /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
-  /// only), then gather(). Ignored inside no_sync().
-  template <class F>
-  void step(F&& update) {
-    if (this->impl_->in_no_sync()) return;
-    this->average();
-    std::forward<F>(update)(shard());
-    gather();
-  }
-
-  /// The 2-norm of the whole averaged gradient (after synchronize()), from every rank's shard:
-  /// the same value on every rank, for gradient clipping (scale the shard's gradients by
-  /// max_norm / norm before the update). Collective.
-  [[nodiscard]] double grad_norm() {
-    return detail::gradient_norm<T>(
-        [&](auto&& f) { engine().for_each_result(f); },
-        [&](std::vector<double>& v, bool max) {
-          this->comm_->all_reduce_host(std::span<double>(v), max ? ReduceOp::max : ReduceOp::sum);
-        });
+  /// Runs epochs over `sampler` (tracked with track_sampler) until `epochs` are done, `step`
+  /// once per batch of `global_batch` samples over all ranks (each rank an equal share), a
+  /// commit after each, and `end_of_epoch(comm, epoch)` at the end of each (evaluation; it may
+  /// use collectives). Every member takes as many steps as the longest shard needs; the
+  /// samples the ranks have not taken are dealt again over every new membership, so that with
+  /// SamplerOptions::exact every sample of an epoch is trained on exactly once, whatever is lost.
+  void run_epochs(DistributedSampler& sampler, int epochs, std::size_t global_batch,
+                  const std::function<void(Comm&, const ElasticBatch&)>& step,
+                  const std::function<void(Comm&, int)>& end_of_epoch = {}) {
+    if (std::find(samplers_.begin(), samplers_.end(), &sampler) == samplers_.end())
+      detail::fail(Errc::invalid_argument, "rank ", env_.rank,
+                   ": Elastic::run_epochs: the sampler is not tracked; track it with "
+                   "track_sampler() before the communicator is made, so that its place in the "
+                   "epoch survives a loss");
+    if (global_batch == 0)
+      detail::fail(Errc::invalid_argument, "rank ", env_.rank,
+                   ": Elastic::run_epochs: the global batch must be at least 1 sample");
+    connect();
+    for (;;) {
+      try {
+        while (epoch_ < epochs) {
+          if (!run_epoch_steps(sampler, global_batch, step)) continue;  // dealt again: go on
+          if (end_of_epoch) end_of_epoch(*comm_, epoch_);
+          ++epoch_;
+          sampler.set_epoch(static_cast<std::uint64_t>(epoch_));
+          (void)commit();
+        }
+        return;
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        end_if_left_out(e);
+        recover(e);
+      }
+    }
   }
 
  private:
-  Engine& engine() { return static_cast<Engine&>(*this->impl_); }
-  const Engine& engine() const { return static_cast<const Engine&>(*this->impl_); }
+  using Clock = std::chrono::steady_clock;
 
-  /// The layout load() asks for: this averager's for its parameters (a checkpoint of another
-  /// model refused), even for other sharded sections.
-  [[nodiscard]] ShardLayoutFor wanted() const {
-    return detail::wanted_layout(layout(), this->comm_->rank(), this->comm_->size(),
-                                 "ShardedAverager");
-  }
-  /// The shard of `ck` (named `where` in errors) back in place, gathered.
-  std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
-    if (!ck) return std::nullopt;
-    engine().look_up_all();
-    detail::restore_shard(*this->comm_, *ck, where, shard(), layout(), engine().cuda());
-    engine().gather_values();
-    return ck;
+  void before_connect(const char* what) const {
+    if (comm_)
+      detail::fail(Errc::invalid_argument, "rank ", env_.rank, ": Elastic::", what,
+                   ": the communicator is made already; track the state before the first comm() "
+                   "or run (every process must track the same, and a newcomer's ticket is "
+                   "checked against it)");
   }
 
-  template <class... A>
-  [[noreturn]] void fail(const A&... a) const {
-    detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(), ": ShardedAverager: ", a...);
+  [[nodiscard]] std::chrono::milliseconds enter_wait() const noexcept {
+    return eo_.enter_wait.count() > 0 ? eo_.enter_wait : eo_.join_wait.get();
   }
 
-  std::vector<Slice> slices_;
-  std::size_t shard_size_ = 0, total_size_ = 0;
+  /// A process the job left out ends here (ElasticOptions::exit_when_left_out): every
+  /// exclusion says it "can never act on this communicator again".
+  void end_if_left_out(const Error& e) const {
+    if (e.code() != Errc::aborted || !eo_.exit_when_left_out ||
+        std::string_view(e.what()).find("can never act on this communicator again") ==
+            std::string_view::npos)
+      return;
+    std::fprintf(stderr,
+                 "ddp: world rank %d was left out of the job and ends (exit status %d): %s\n",
+                 env_.rank, left_out_exit_code, e.what());
+    std::fflush(nullptr);
+    std::_Exit(left_out_exit_code);  // its threads and peers' resources are not its own now
+  }
+
+  static bool recoverable(const Error& e) noexcept {
+    return e.code() == Errc::peer_lost || e.code() == Errc::aborted || e.code() == Errc::timeout;
+  }
+
+  /// Makes the communicator: init(), or (a restarted process, Environment::rejoin) enter() and
+  /// the members' state. A member lost meanwhile costs one recovery here as anywhere else; a
+  /// newcomer whose admission failed with it (the members then recover without it) asks again.
+  void connect() {
+    if (comm_) return;
+    const auto t0 = Clock::now();
+    const ElasticChange::Kind kind =
+        env_.rejoin ? ElasticChange::Kind::joined : ElasticChange::Kind::started;
+    if (env_.rejoin) {
+      for (int asked = 1;; ++asked) {
+        try {
+          comm_.emplace(
+              Comm::enter(env_, options_, {.ticket = state_.ticket(), .wait = enter_wait()}));
+          break;
+        } catch (const Error& e) {
+          // Refused, out of time, or every member gone: final. A member lost while this
+          // process was being admitted: the members recover, and it asks again.
+          if (e.code() != Errc::peer_lost || asked >= max_entries) throw;
+        }
+      }
+    } else {
+      comm_.emplace(Comm::init(env_, options_));
+    }
+    try {
+      if (kind == ElasticChange::Kind::joined) {
+        state_.restore(*comm_);
+      } else {
+        state_.start(*comm_);
+      }
+      reset(kind, 0, t0, {});
+    } catch (const Error& e) {
+      if (!recoverable(e)) throw;
+      recover(e);
+    }
+  }
+
+  void reset(ElasticChange::Kind kind, int before, Clock::time_point t0, std::string why) {
+    if (reset_) reset_(*comm_);
+    if (change_) {
+      ElasticChange c;
+      c.kind = kind;
+      c.size = comm_->size();
+      c.previous_size = before;
+      c.commit = state_.steps();
+      c.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      c.why = std::move(why);
+      change_(c);
+    }
+  }
+
+  /// The commit after a step; admits the processes waiting to enter, when there are. Returns
+  /// whether the membership grew (the epoch's rest is then dealt again).
+  bool commit() {
+    unreported_ = state_.steps() + 1;
+    state_.commit(*comm_);
+    if (commit_) commit_(*comm_, state_.steps());
+    unreported_ = 0;
+    if (state_.entering() <= 0) return false;
+    const auto t0 = Clock::now();
+    const int before = comm_->size();
+    if (!state_.grow(*comm_)) return false;
+    reset(ElasticChange::Kind::grew, before, t0, {});
+    return true;
+  }
+
+  /// The rest of the current epoch's steps over this membership; false when the membership grew
+  /// meanwhile (the rest is then dealt again over the new one).
+  bool run_epoch_steps(DistributedSampler& sampler, std::size_t global_batch,
+                       const std::function<void(Comm&, const ElasticBatch&)>& step) {
+    const std::vector<std::size_t> mine = sampler.indices();
+    const auto ranks = static_cast<std::size_t>(comm_->size());
+    const std::size_t longest = (sampler.total_size() + ranks - 1) / ranks;
+    const std::size_t at = sampler.state().offset;
+    const std::size_t local = (global_batch + ranks - 1) / ranks;
+    for (std::size_t done = 0; at + done < longest; done += local) {
+      const std::size_t count = done < mine.size() ? std::min(local, mine.size() - done) : 0;
+      ElasticBatch b;
+      b.indices = std::span<const std::size_t>(mine.data() + done, count);
+      b.epoch = epoch_;
+      b.step = (at + done) / local;
+      b.local_batch = local;
+      step(*comm_, b);
+      sampler.advance(count);
+      if (commit()) return false;
+    }
+    return true;
+  }
+
+  /// After a loss: shrink, restore, report the commit a loss interrupted (on_commit), reset
+  /// (on_reset, on_change); all of it again when a member is lost meanwhile, in any of those
+  /// (one more recovery each time). Rethrows when this rank was left out (fenced), too few
+  /// remain, or no recovery is left.
+  void recover(const Error& first) {
+    const auto t0 = Clock::now();
+    const int before = comm_->size();
+    for (;;) {
+      ++recoveries_;
+      if (eo_.max_recoveries >= 0 && recoveries_ > eo_.max_recoveries)
+        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
+                          " (Elastic: ", eo_.max_recoveries,
+                          " losses recovered from already: ElasticOptions::max_recoveries)");
+      const int round_before = comm_->size();
+      std::optional<Comm> next;
+      try {
+        next.emplace(comm_->shrink(eo_.shrink));
+      } catch (const Error& e) {  // left out: Errc::aborted
+        end_if_left_out(e);
+        throw;
+      }
+      *comm_ = std::move(*next);
+      if (comm_->size() < eo_.min_size)
+        detail::fail(Errc::peer_lost, "world rank ", env_.rank, ": Elastic: ", comm_->size(),
+                     " ranks are left, fewer than ElasticOptions::min_size ", eo_.min_size, " (",
+                     first.what(), ")");
+      std::uint64_t restored = 0;
+      try {
+        restored = state_.restore(*comm_);
+        // The commit being confirmed or reported when the loss came, if the members completed
+        // it: reported now (once its report returns).
+        if (unreported_ != 0 && restored == unreported_ && commit_) commit_(*comm_, restored);
+        unreported_ = 0;
+      } catch (const Error& again) {
+        if (!recoverable(again)) throw;  // another loss while restoring or reporting
+        continue;
+      }
+      // A failure that comes back at the same commit after a round that lost no rank is not a
+      // lost rank (a step, or on_reset, that throws Errc::timeout every time, say): recovering
+      // again would repeat it forever. Every member sees the same sizes and commit, and rethrows
+      // alike.
+      if (comm_->size() == round_before && restored == no_loss_commit_)
+        detail::fail_from(first.origin_rank(), first.lost_ranks(), first.code(), first.what(),
+                          " (Elastic: the same failure came back at commit ", restored,
+                          " after a recovery that lost no rank: it is not a lost rank, so it is "
+                          "rethrown instead of recovered from again)");
+      no_loss_commit_ = comm_->size() == round_before ? restored : ~std::uint64_t{0};
+      try {
+        reset(ElasticChange::Kind::lost, before, t0, first.what());
+      } catch (const Error& again) {
+        if (!recoverable(again)) throw;  // another loss in on_reset or on_change
+        continue;
+      }
+      return;
+    }
+  }
+
+  Environment env_;
+  Options options_;
+  ElasticOptions eo_;
+  TrainingState state_;
+  int epoch_ = 0;
+  std::vector<const DistributedSampler*> samplers_;
+  std::function<void(Comm&)> reset_;
+  std::function<void(const ElasticChange&)> change_;
+  std::function<void(Comm&, std::uint64_t)> commit_;
+  static constexpr int max_entries = 5;  // a newcomer's requests, when members die meanwhile
+  std::uint64_t unreported_ = 0;         // the commit being confirmed or reported (0: none)
+  std::uint64_t no_loss_commit_ = ~std::uint64_t{0};  // restored by the last loss-free recovery
+  std::optional<Comm> comm_;
+  int recoveries_ = 0;
 };
 
-/// `ShardedAverager zero(comm, model)` deduces the model type and the backend.
-template <class Backend, class M>
-ShardedAverager(Communicator<Backend>&, M&, ShardedOptions = {})
-    -> ShardedAverager<detail::model_t<M>, Backend>;
-
 DDP_END_NAMESPACE
-// end ddp/training/sharded.hpp
-// #include "ddp/training/sharded_checkpoint.hpp" (already included above)
-// begin ddp/training/unit_memory.hpp
+// end ddp/training/elastic/elastic.hpp
+// #include "ddp/training/elastic/state.hpp" (already included above)
+// begin ddp/training/fully_sharded/fully_shard.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
 
 /// \file
-/// Parts of the fully sharded engine (ddp/training/fully_sharded.hpp): where it keeps its arrays
-/// (a shard's blocks, a gathered unit, a unit's gradients), in pages of their own on the host
-/// (returned to the system when freed, so a released unit never stays resident in malloc's
+/// ddp::FullyShard<M, Backend>: a model's own parameters fully sharded (ZeRO-3, as FSDP2's
+/// `fully_shard`), for a model of any parameter type, over a FullyShardedAverager.
+///
+/// The program lists its parameters by unit (indices into the model's parameters; every
+/// parameter in one unit). Each rank then keeps 1/P of every unit; the parameters themselves
+/// point at nothing (empty values and gradients) except while their unit runs:
+///
+///     ddp::FullyShard fsdp(comm, net, {{0, 1}, {2, 3}, {4, 5}});   // three layers' (w, b)
+///     for (...) {
+///       for (u = 0; u < 3; ++u) fsdp.forward(u, [&] { layer_forward(u, net); });
+///       for (u = 3; u-- > 0;) fsdp.backward(u, [&] { layer_backward(u, net); });  // += grads
+///       fsdp.step([&](auto shard) { opt.step(shard); });  // the optimizer on the shard
+///     }
+///
+/// forward(u, fn) gathers unit u (prefetched while the unit before it ran), points its
+/// parameters' values at it, starts gathering the unit after it (the last step's forward order),
+/// runs fn() and releases the unit (Options::reshard_after_forward = false keeps it for the
+/// backward). backward(u, fn) gathers it again (prefetching the unit before it), points the
+/// values and the gradients (zeros, for fn to add into) at the unit's buffers, runs fn(),
+/// releases the unit and reduce-scatters its gradients into the shard in the background, while
+/// the program goes on with the units before it. step(update) waits for the reduces (a unit
+/// whose backward did not run this step is reduced with zero gradients), runs update(shard())
+/// (ShardSlice: the same optimizers as ShardedAverager's shard) and starts gathering the first
+/// unit of the next forward. On backend::Host the averages are GradientAverager's bitwise, so
+/// with the same elementwise optimizer a run is bitwise a GradientAverager run.
+///
+/// Mixed precision (MixedPrecisionPolicy): FullyShard<M, Backend, bfloat16, float> over a model
+/// of bfloat16 parameters keeps float masters in the shard for the optimizer, gathers the
+/// parameters in bfloat16 and averages the bfloat16 gradients (FullyShardedAverager<Backend,
+/// float, bfloat16, bfloat16>).
+///
+/// Re-pointing a parameter: parameter_traits<P>::point(P& p, std::span<T> value, std::span<T>
+/// grad) makes p's value and gradient views of those elements (empty spans: of nothing), for a
+/// tensor type of one's own; a parameter whose value and grad are std::span<T> or
+/// ddp::TensorView<T> members (or references to them) needs none.
+///
+/// The shard starts as rank 0's parameter values (the model is read once, then its parameters
+/// are pointed at nothing: free their memory), or, made with an initializer, from values made
+/// for this rank's pieces only, so that no rank ever holds the whole model (the parameters'
+/// sizes are read, not their values). Every rank must list the same units (Errc::mismatch) and
+/// run the same units' forwards and backwards in the same order (the gathers and reduces are
+/// collectives; checked at each step, Options::check_order: Errc::mismatch before the update).
+/// Errc::invalid_argument for a parameter listed twice or in no unit, a unit run twice in one
+/// step's backward, and a parameter pointed elsewhere (given elements) while its unit was released.
+/// A parameter read outside forward() / backward() of its unit has no elements. An exception from a
+/// backward's fn leaves its unit's gradients partly added: this object then refuses every call
+/// until reset(comm) (after shrink(), say; then load the shard).
+///
+/// After a change of membership (ddp::Elastic's on_reset), reset(comm) shards the same units over
+/// the new world and the shard is loaded from a ShardMirror saved each step (averager().save(
+/// mirror, tag, state) before the commit; averager().load(mirror, tag)) or from a checkpoint.
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/averaging/parameters.hpp" (already included above)
+// begin ddp/training/fully_sharded/fully_sharded.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// FullyShardedAverager<Backend, T>: fully sharded parameters (ZeRO-3), the units' engine.
+///
+/// The program's parameters are grouped into units (a layer, a block). Each unit's parameters,
+/// end to end, form one flat array padded with zeros to a multiple of P; rank r keeps block r of
+/// it (its values, their gradients, and whatever an optimizer keeps for them), so no rank holds a
+/// whole unit except while it is gathered:
+///
+///     ddp::FullyShardedAverager fsdp(comm, {{4096 * 4096, 4096}, {4096 * 10, 10}},
+///                                    [](std::size_t unit, std::size_t param, std::size_t offset,
+///                                       std::span<float> values) { /* initialize them */ });
+///     for (...) {
+///       fsdp.prefetch(0);
+///       for (u in forward order) {
+///         std::span<float> w = fsdp.gather(u);   // the unit's parameters, end to end
+///         if (u + 1 < units) fsdp.prefetch(u + 1); // while this unit computes
+///         forward(u, w);
+///         fsdp.release(u);                        // (or keep it for the backward)
+///       }
+///       for (u in backward order) {
+///         std::span<float> w = fsdp.gather(u);
+///         backward(u, w, fsdp.grad(u));            // adds into the unit's gradients
+///         fsdp.release(u);
+///         fsdp.reduce(u);                         // averaged into the shard in the background
+///       }
+///       fsdp.synchronize();                       // the shard's gradients hold the averages
+///       opt.step(fsdp.shard());                   // the optimizer on the shard (ShardSlice)
+///     }
+///
+/// The averages are every rank's gradients reduced with ReduceOp::avg, as GradientAverager's: on
+/// backend::Host (every element reduced in rank order on every path) they are bitwise its
+/// averages, so a run is bitwise a GradientAverager run. The shard is ShardedAverager's kind
+/// (ShardSlice over (parameter, offset, size), layout() for Checkpoint::put_sharded), so
+/// optimizers written for a model or a ShardedAverager's shard run on it unchanged.
+///
+/// Mixed precision (MixedPrecisionPolicy): FullyShardedAverager<Backend, float, bfloat16, float>
+/// keeps float masters in the shard, gathers the parameters converted to bfloat16, and takes the
+/// backward's gradients in float (the third type: the reduce's), converted into the shard.
+///
+/// Uneven inputs: a Joinable (ddp::Join) once on_join_step(update) says how a rank updates its
+/// shard; a rank whose inputs are done answers the others' steps and keeps its shard current.
+///
+/// Memory (FullyShardedOptions): units gathered and the shard kept on the host, or on a CUDA
+/// device (backend::Nccl's default: the communicator's device; backend::Host stages through
+/// pinned memory), or units on the device and the shard on the host (`offload`, as FSDP2's
+/// CPUOffloadPolicy). gather() and grad() then return device memory, shard() device views (the
+/// optimizer runs where the shard is); init, gather_to and scatter_from stay host memory,
+/// copied through. Mixed precision on a device converts this rank's block through the host.
+///
+/// save(state, path) / load(path) are ShardedAverager's sharded checkpoints (a set loads at any
+/// world size), save(mirror, tag) / load(mirror) its in-memory copies for recovery;
+/// gather_to(root, fn) hands `root` the whole model a unit at a time, for export.
+///
+/// A unit is gathered at most once at a time: gather() waits for a prefetch() of it, and
+/// gathering a gathered unit (kept from the forward for the backward) returns the same values.
+/// A unit out of range, reduce() without grad() and a second reduce() before the next grad()
+/// fail with Errc::invalid_argument naming the unit. Every rank must make the same units
+/// (Errc::mismatch at construction, naming the first unit that differs). A rank lost during a
+/// gather or a reduce fails the others' calls that wait for it with Errc::peer_lost; the shard's
+/// values, written only by the optimizer, stay as they were (save them to a ShardMirror each
+/// step, and the survivors go on from there without the lost rank's shard: load(mirror)).
+
+// #include "ddp/checkpoint/checkpoint.hpp" (already included above)
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/tensor.hpp" (already included above)
+// #include "ddp/training/averaging/join.hpp" (already included above)
+// begin ddp/training/fully_sharded/unit_memory.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Parts of the fully sharded engine (ddp/training/fully_sharded/fully_sharded.hpp): where it keeps
+/// its arrays (a shard's blocks, a gathered unit, a unit's gradients), in pages of their own on the
+/// host (returned to the system when freed, so a released unit never stays resident in malloc's
 /// heap) or in a CUDA device's memory, ordered on the stream the program computes on (builds
 /// with CUDA); FullyShardedOptions, where the program asks for which; UnitOrder, the order check.
 
@@ -27517,7 +27955,1521 @@ void convert_values(std::span<const From> in, std::span<To> out) noexcept {
 
 }  // namespace detail
 DDP_END_NAMESPACE
-// end ddp/training/unit_memory.hpp
+// end ddp/training/fully_sharded/unit_memory.hpp
+// begin ddp/training/zero/shard_mirror.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ddp::ShardMirror: a ShardedAverager's sharded state kept in memory, each rank's shard also on
+/// the rank before it (rank 0's on the last), so that a job that loses a rank recovers that
+/// rank's shard of the optimizer state from its neighbour, without a disk and without losing a
+/// step (ShardedAverager::save(state, mirror, tag), load(mirror, tag)).
+///
+///  * save(mirror, ...): two small all_gathers (the save's number, the sizes), then an
+///    all_to_all in which each rank sends its shard (what save(path) would write: the shard's
+///    parameter values, its layout, `state`) to the rank before it. Each rank keeps the two
+///    newest saves: its own shard and its neighbour's of each (4 shards' worth of memory, reused
+///    from save to save).
+///  * load(mirror, tag) takes the newest save (with that tag) of which the survivors hold every
+///    old rank's shard, and cuts it again for the new world as a sharded checkpoint is cut
+///    (checkpoint/reshard.hpp). One loss, or losses of ranks no two of which are neighbours, lose
+///    nothing; two neighbours lost together take a shard with them (Errc::mismatch, naming it:
+///    resume from a sharded checkpoint on disk).
+///  * A save that a failure interrupted is complete on some ranks and not on others; the older
+///    save is kept for that case. load() mirrors the save it loaded again on the new world
+///    before it returns, so a second loss right after a recovery loses nothing either. With
+///    TrainingState, save before commit() and load the tag of the restored commit: a commit
+///    completes only after every rank finished its save.
+
+// #include "ddp/checkpoint/checkpoint.hpp" (already included above)
+// begin ddp/checkpoint/reshard.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// The insides of load_sharded_checkpoint: finding the newest complete set of shard files (of
+/// any world size) among the files every rank sees, and handing each rank its state, cut again
+/// for the world size that loads it.
+///
+///  * Each rank lists the shard files it sees ("<path>.rankK-of-N.G.ID"); the lists are gathered,
+///    and the newest save G with a file of every one of its N ranks somewhere is chosen. Ranks
+///    may share one file system or each have a disk of its own.
+///  * Old rank K's file is read by rank K % M when that rank sees it (K itself when the world
+///    size is unchanged), else by the lowest rank that does: each file is read once.
+///  * Unchanged world size and layouts: each rank keeps its own file, nothing moves. Otherwise
+///    each reader cuts its files' sharded sections (Checkpoint::put_sharded) into the pieces each
+///    new rank's layout needs and scatters them; every rank can compute every piece's size from
+///    the gathered layouts, so bytes are all that travel. A section that is not sharded must be
+///    the same in every file (it goes to every rank) unless the world size is unchanged (each
+///    rank keeps its own).
+
+// #include "ddp/checkpoint/checkpoint.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// The name that rank `rank` of `world`'s shard files start with: path.rankR-of-P. Each save
+/// writes a new generation of them, path.rankR-of-P.G.ID (G = 1, 2, ...; ID: the save's
+/// identifier, 16 hex digits), and removes the older generations only once the new one is
+/// complete on every rank.
+[[nodiscard]] inline std::string shard_path(const std::string& path, int rank, int world) {
+  return detail::concat(path, ".rank", rank, "-of-", world);
+}
+
+/// The layout a rank wants a sharded section in (load_sharded_checkpoint): given the section's
+/// name and its arrays' sizes.
+using ShardLayoutFor =
+    std::function<ShardLayout(std::string_view section, const std::vector<std::size_t>& sizes)>;
+
+namespace detail {
+
+/// One shard file: old rank `rank` of `world`, generation `g` of save `id` (g = 0: the one
+/// unnumbered file "<path>.rankR-of-N" that saves before generations wrote).
+struct ShardFile {
+  std::uint64_t g = 0, id = 0, world = 0, rank = 0;
+  friend auto operator<=>(const ShardFile&, const ShardFile&) = default;
+};
+
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f);
+
+/// Digits without a leading zero ("0" itself allowed) as a number.
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v);
+
+/// Every shard file of `path` (any rank, any world size) in its directory, newest first.
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path);
+
+/// The save load_sharded_checkpoint takes: its world size N, generation, id, and which rank
+/// reads each old rank's file.
+struct ShardSet {
+  std::uint64_t world = 0, g = 0, id = 0;
+  std::vector<int> reader;  ///< reader[K]: the rank that reads old rank K's file
+};
+
+/// Collective: the newest save of which some rank holds every old rank's shard, `mine` being
+/// what this rank holds (std::nullopt when no rank holds any; Errc::mismatch when none is
+/// complete: `incomplete(key, have, missing, first_missing)` says what is missing).
+template <class Comm, class Incomplete>
+std::optional<ShardSet> choose_held(Comm& comm, const std::vector<ShardFile>& mine,
+                                    Incomplete&& incomplete) {
+  std::vector<std::uint64_t> words;
+  for (const ShardFile& f : mine) words.insert(words.end(), {f.g, f.id, f.world, f.rank});
+  // (g, id, world) -> the ranks that see each old rank's file
+  std::map<std::vector<std::uint64_t>, std::map<std::uint64_t, std::vector<int>>, std::greater<>>
+      saves;
+  const auto all = comm.all_gather_object(words);
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    for (std::size_t i = 0; i + 3 < all[r].size(); i += 4)
+      saves[{all[r][i], all[r][i + 1], all[r][i + 2]}][all[r][i + 3]].push_back(
+          static_cast<int>(r));
+  }
+  if (saves.empty()) return std::nullopt;
+  const auto m = static_cast<std::uint64_t>(comm.size());
+  // The newest complete save; among saves of one generation (another job's, under the same
+  // path), the one of this world size first.
+  const std::map<std::uint64_t, std::vector<int>>* best = nullptr;
+  ShardSet set;
+  for (const auto& [key, files] : saves) {
+    if (files.size() != key[2]) continue;  // old ranks 0..N-1 each seen (rank < world)
+    if (best != nullptr && (key[0] < set.g || set.world == m || key[2] != m)) continue;
+    best = &files;
+    set.g = key[0];
+    set.id = key[1];
+    set.world = key[2];
+  }
+  if (best == nullptr) {
+    const auto& [key, files] = *saves.begin();  // the newest, incomplete
+    std::string have, missing;
+    std::uint64_t first_missing = 0;
+    for (std::uint64_t k = key[2]; k-- > 0;) {
+      const bool seen = files.count(k) != 0;
+      if (!seen) first_missing = k;
+      std::string& to = seen ? have : missing;
+      to = concat(k, to.empty() ? "" : ", ", to);
+    }
+    const auto shorten = [](std::string t) { return t.size() > 40 ? t.substr(0, 37) + "..." : t; };
+    incomplete(ShardFile{key[0], key[1], key[2], first_missing}, shorten(have), shorten(missing));
+  }
+  for (std::uint64_t k = 0; k < set.world; ++k) {
+    const std::vector<int>& seen = best->at(k);
+    const int preferred = static_cast<int>(k % m);
+    set.reader.push_back(
+        std::find(seen.begin(), seen.end(), preferred) != seen.end() ? preferred : seen.front());
+  }
+  return set;
+}
+
+/// Collective: the newest save with a file of every one of its ranks seen by some rank
+/// (std::nullopt when no rank sees any shard file; Errc::mismatch, saying what is missing, when
+/// there are files but no complete save). `mine`: this rank's shard_files.
+template <class Comm>
+std::optional<ShardSet> choose_shard_set(Comm& comm, const std::string& path,
+                                         const std::vector<ShardFile>& mine) {
+  return choose_held(
+      comm, mine, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+        fail(Errc::mismatch, "rank ", comm.rank(),
+             ": load_sharded_checkpoint: no save has a file of every rank: the newest, generation ",
+             f.g, " of ", f.world, " ranks, has the files of rank ", have, " but none of rank ",
+             missing, " (", shard_file_path(path, f),
+             "): the checkpoint is incomplete, its files come from different runs, or a rank's "
+             "disk cannot be reached; resume from a complete checkpoint");
+      });
+}
+
+/// What a shard file holds, as every rank needs to know it: its sections in order, each with
+/// words: {0, checksum, bytes} for a plain section; layout_words (element size first, never 0)
+/// for a sharded one.
+using FileInfo = std::vector<std::pair<std::string, std::vector<std::uint64_t>>>;
+
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b);
+
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file);
+
+/// Calls f(destination element, source element, count) for each run of elements that old
+/// layout `from` and new layout `to` share, in `to`'s order, then `from`'s.
+template <class F>
+void for_each_overlap(const ShardLayout& to, const ShardLayout& from, F&& f) {
+  std::size_t wp = 0;
+  for (const ShardRange& w : to.ranges) {
+    std::size_t sp = 0;
+    for (const ShardRange& o : from.ranges) {
+      if (o.array == w.array) {
+        const std::size_t lo = std::max(o.offset, w.offset);
+        const std::size_t hi = std::min(o.offset + o.size, w.offset + w.size);
+        if (lo < hi) f(wp + lo - w.offset, sp + lo - o.offset, hi - lo);
+      }
+      sp += o.size;
+    }
+    wp += w.size;
+  }
+}
+
+/// Collective: each rank's checkpoint, in the layouts `want` gives (null: each rank's own at
+/// the same world size, ShardLayout::even at another), of save `set`, whose old rank K's
+/// checkpoint `files` holds on rank set.reader[K]. `what` and `file_name(K)` name them in errors.
+template <class Comm, class Name>
+Checkpoint reshard_held(Comm& comm, const ShardSet& set, std::map<std::uint64_t, Checkpoint>& files,
+                        const ShardLayoutFor& want, const char* what, Name&& file_name) {
+  const int me = comm.rank();
+  const auto m = static_cast<std::uint64_t>(comm.size());
+  const bool same_world = set.world == m;
+  const auto failed = [&](const std::string& error) {
+    fail_with_first(comm, comm.all_gather_object(error), what);
+  };
+  std::vector<std::pair<std::uint64_t, FileInfo>> infos;
+  std::string error;
+  try {
+    for (const auto& [k, ck] : files) infos.emplace_back(k, describe(ck, file_name(k)));
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  failed(error);
+  // 2. What every file holds, on every rank; the files must agree on their sections.
+  std::vector<FileInfo> info(set.world);
+  for (auto& from_rank : comm.all_gather_object(infos))
+    for (auto& [k, i] : from_rank) info[k] = std::move(i);
+  const auto refuse = [&](const auto&... why) {
+    fail(Errc::mismatch, "rank ", me, ": ", what, ": ", why...,
+         "; resume from a complete checkpoint");
+  };
+  std::vector<std::string> sharded;  // the sharded sections' names, in file 0's order
+  std::vector<std::size_t> element;  // their element sizes
+  for (const auto& [name, words] : info[0]) {
+    if (words[0] != 0) {
+      sharded.push_back(name);
+      element.push_back(static_cast<std::size_t>(words[0]));
+    }
+  }
+  for (std::uint64_t k = 1; k < set.world; ++k) {
+    if (info[k].size() != info[0].size())
+      refuse(file_name(k), " has ", info[k].size(), " sections but ", file_name(0), " has ",
+             info[0].size());
+    for (std::size_t i = 0; i < info[0].size(); ++i) {
+      const auto& [name, words] = info[k][i];
+      const auto& first = info[0][i].second;
+      if (name != info[0][i].first)
+        refuse(file_name(k), "'s section ", i, " is \"", name, "\" but ", file_name(0), "'s is \"",
+               info[0][i].first, "\"");
+      if ((words[0] == 0) != (first[0] == 0))
+        refuse("section \"", name, "\" is sharded in one rank's file and not in another's");
+      if (words[0] == 0 && !same_world && words != first)
+        refuse("section \"", name, "\" differs between ", file_name(0), " and ", file_name(k),
+               ", and it is not sharded: on another world size than the one that saved it, a "
+               "section must be the same on every rank (it goes to every rank) or be put with "
+               "Checkpoint::put_sharded (its values are cut again)");
+    }
+  }
+  std::vector<std::vector<ShardLayout>> old(sharded.size());  // [section][old rank]
+  for (std::size_t s = 0; s < sharded.size(); ++s) {
+    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> cover;
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      std::vector<std::uint64_t> words;
+      for (const auto& [name, w] : info[k])
+        if (name == sharded[s]) words = w;
+      auto [bytes, layout] = layout_of_words(words, file_name(k));
+      if (bytes != element[s] || (k != 0 && layout.sizes != old[s][0].sizes))
+        refuse("sharded section \"", sharded[s], "\" has other element sizes or arrays in ",
+               file_name(k), " than in ", file_name(0));
+      cover.resize(layout.sizes.size());
+      for (const ShardRange& r : layout.ranges) cover[r.array].emplace_back(r.offset, r.size);
+      old[s].push_back(std::move(layout));
+    }
+    for (std::size_t a = 0; a < cover.size(); ++a) {  // the files hold each element once
+      std::sort(cover[a].begin(), cover[a].end());
+      std::size_t next = 0;
+      bool once = true;
+      for (const auto& [offset, size] : cover[a]) {
+        once = once && offset == next;  // a gap (offset > next) or an overlap (offset < next)
+        next = offset + size;
+      }
+      if (!once || next != old[s][0].sizes[a])
+        refuse("the shard files' pieces of sharded section \"", sharded[s], "\" do not hold array ",
+               a, " (", old[s][0].sizes[a], " elements) exactly once");
+    }
+  }
+  // 3. The layout each rank wants each sharded section in.
+  std::vector<std::vector<std::uint64_t>> wanted_words;
+  try {
+    for (std::size_t s = 0; s < sharded.size(); ++s) {
+      const std::vector<std::size_t>& sizes = old[s][0].sizes;
+      ShardLayout l = want         ? want(sharded[s], sizes)
+                      : same_world ? old[s][static_cast<std::size_t>(me)]
+                                   : ShardLayout::even(sizes, me, comm.size());
+      if (l.sizes != sizes)
+        fail(Errc::mismatch, "the layout asked for sharded section \"", sharded[s], "\" has ",
+             l.sizes.size(), " arrays of other sizes than the ", sizes.size(),
+             " it was saved with");
+      check_layout(l, concat("the layout asked for sharded section \"", sharded[s], "\""));
+      wanted_words.push_back(layout_words(element[s], l));
+    }
+    error.clear();
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  failed(error);
+  const auto all_wanted = comm.all_gather_object(wanted_words);
+  std::vector<std::vector<ShardLayout>> wanted(m);  // [new rank][section]
+  bool moves = !same_world;
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for (std::size_t s = 0; s < sharded.size(); ++s) {
+      wanted[d].push_back(layout_of_words(all_wanted[d][s], what).second);
+      moves = moves || !(wanted[d][s] == old[s][d]);
+    }
+  }
+  for (std::uint64_t k = 0; k < set.world; ++k)
+    moves = moves || set.reader[k] != static_cast<int>(k);
+  if (!moves) return std::move(files.at(static_cast<std::uint64_t>(me)));  // its own file
+  // 4. The plain sections come from old rank d's file (same world size) or rank 0's; the sharded
+  // ones from every file holding a piece of d's layout. Bytes s sends d, in the order d reads.
+  const auto plain_from = [&](std::uint64_t d) { return same_world ? d : 0; };
+  const auto for_each_piece = [&](int s, std::uint64_t d, auto&& f) {  // f(section, k, from, to, n)
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != s || k != plain_from(d)) continue;
+      for (const auto& [name, words] : info[k])
+        if (words[0] == 0)
+          f(name, k, std::size_t{0}, std::size_t{0}, static_cast<std::size_t>(words[2]));
+    }
+    for (std::size_t sec = 0; sec < sharded.size(); ++sec) {
+      for (std::uint64_t k = 0; k < set.world; ++k) {
+        if (set.reader[k] != s) continue;
+        for_each_overlap(
+            wanted[d][sec], old[sec][k], [&](std::size_t to, std::size_t from, std::size_t n) {
+              f(sharded[sec], k, from * element[sec], to * element[sec], n * element[sec]);
+            });
+      }
+    }
+  };
+  Checkpoint out;
+  std::map<std::string, std::string> values;  // the sharded sections' new bytes
+  for (std::size_t s = 0; s < sharded.size(); ++s)
+    values[sharded[s]].resize(wanted[static_cast<std::size_t>(me)][s].elements() * element[s]);
+  std::map<std::string, std::string> plain;
+  // One all_to_all of bytes: what this rank sends each rank, and receives from each, in rank
+  // order (every rank computes every size from what it gathered).
+  const auto me64 = static_cast<std::uint64_t>(me);
+  std::vector<std::size_t> send(m, 0), recv(m, 0);
+  for (std::uint64_t d = 0; d < m; ++d) {
+    for_each_piece(me, d,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     send[d] += n;
+                   });
+    for_each_piece(static_cast<int>(d), me64,
+                   [&](const std::string&, std::uint64_t, std::size_t, std::size_t, std::size_t n) {
+                     recv[d] += n;
+                   });
+  }
+  std::string out_bytes, got;
+  std::size_t total_send = 0, total_recv = 0;
+  for (std::uint64_t d = 0; d < m; ++d) total_send += send[d], total_recv += recv[d];
+  out_bytes.reserve(total_send);
+  for (std::uint64_t d = 0; d < m; ++d)
+    for_each_piece(me, d,
+                   [&](const std::string& name, std::uint64_t k, std::size_t from, std::size_t,
+                       std::size_t n) {
+                     const auto b = files.at(k).get(name);
+                     out_bytes.append(reinterpret_cast<const char*>(b.data()) + from, n);
+                   });
+  got.resize(total_recv);
+  on_host_data(comm,  // through the device on backend::Nccl
+               std::span(reinterpret_cast<std::uint8_t*>(out_bytes.data()), out_bytes.size()),
+               std::span(reinterpret_cast<std::uint8_t*>(got.data()), got.size()),
+               [&](auto& from, auto& into) { comm.all_to_all(from, into, send, recv); });
+  std::size_t at = 0;
+  for (std::uint64_t s = 0; s < m; ++s) {
+    for_each_piece(
+        static_cast<int>(s), me64,
+        [&](const std::string& name, std::uint64_t k, std::size_t, std::size_t to, std::size_t n) {
+          const bool is_plain = [&] {
+            for (const auto& [nm, words] : info[k])
+              if (nm == name) return words[0] == 0;
+            return false;
+          }();
+          if (is_plain)
+            plain[name] = got.substr(at, n);
+          else
+            got.copy(values[name].data() + to, n, at);
+          at += n;
+        });
+  }
+  // 5. This rank's checkpoint: the plain sections in their order, the sharded ones, the stamp.
+  for (const auto& [name, words] : info[plain_from(static_cast<std::uint64_t>(me))]) {
+    const std::string& b = words[0] == 0 ? plain[name] : values[name];
+    CheckpointRaw::put(out, name, std::as_bytes(std::span(b.data(), b.size())));
+    if (words[0] != 0) {
+      const auto s = static_cast<std::size_t>(std::find(sharded.begin(), sharded.end(), name) -
+                                              sharded.begin());
+      out.put_object(layout_section(name), all_wanted[static_cast<std::size_t>(me)][s]);
+    }
+  }
+  out.put_object("ddp.shard",
+                 std::vector<std::uint64_t>{static_cast<std::uint64_t>(me), m, set.id});
+  return out;
+}
+
+/// Collective: each rank's checkpoint of save `set` of `path`, in the layouts `want` gives
+/// (null: each rank's own at the same world size, ShardLayout::even at another).
+template <class Comm>
+Checkpoint load_shard_set(Comm& comm, const std::string& path, const ShardSet& set,
+                          const ShardLayoutFor& want) {
+  const int me = comm.rank();
+  // 1. Each reader loads and checks its files.
+  std::map<std::uint64_t, Checkpoint> files;  // old rank -> its file, on its reader
+  std::string error;
+  try {
+    for (std::uint64_t k = 0; k < set.world; ++k) {
+      if (set.reader[k] != me) continue;
+      const std::string file = shard_file_path(path, {set.g, set.id, set.world, k});
+      std::optional<Checkpoint> ck = Checkpoint::load(file);
+      if (!ck) fail(Errc::system, "Checkpoint: ", file, " disappeared while it was being loaded");
+      if (!ck->contains("ddp.shard"))
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " is not a shard file (it was not written by save_sharded_checkpoint)");
+      const auto stamp = ck->get_object<std::vector<std::uint64_t>>("ddp.shard");
+      if (stamp.size() < 3 || stamp[0] != k || stamp[1] != set.world)
+        fail(Errc::mismatch, "Checkpoint: ", file, " was written by rank ",
+             stamp.empty() ? 0 : stamp[0], " of ", stamp.size() < 2 ? 0 : stamp[1],
+             " ranks; a shard file is read under the name its rank and world size gave it");
+      if (set.g != 0 && stamp[2] != set.id)
+        fail(Errc::mismatch, "Checkpoint: ", file,
+             " holds another save than its name says (it was copied or renamed)");
+      files.emplace(k, std::move(*ck));
+    }
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  return reshard_held(comm, set, files, want, "load_sharded_checkpoint", [&](std::uint64_t k) {
+    return shard_file_path(path, {set.g, set.id, set.world, k});
+  });
+}
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/checkpoint/impl/reshard.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/checkpoint/reshard.hpp>'s non-template functions. That header includes this
+// file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string shard_file_path(const std::string& path, const ShardFile& f) {
+  std::string out = concat(path, ".rank", f.rank, "-of-", f.world);
+  if (f.g == 0) return out;
+  char hex[17];
+  for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(f.id >> (60 - 4 * i)) & 15];
+  hex[16] = '\0';
+  return concat(out, ".", f.g, ".", hex);
+}
+
+DDP_INLINE bool parse_decimal(std::string_view t, std::uint64_t& v) {
+  if (t.empty() || t.size() > 18 || (t[0] == '0' && t.size() > 1)) return false;
+  v = 0;
+  for (const char c : t) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  return true;
+}
+
+DDP_INLINE std::vector<ShardFile> shard_files(const std::string& path) {
+  std::vector<ShardFile> out;
+  for (const std::string& rest : suffixes(path)) {  // "rankK-of-N[.G.<16 hex>]"
+    const std::string_view r = rest;
+    const std::size_t of = r.find("-of-");
+    if (r.substr(0, 4) != "rank" || of == std::string_view::npos) continue;
+    const std::size_t dot = r.find('.', of);
+    ShardFile f;
+    if (!parse_decimal(r.substr(4, of - 4), f.rank) ||
+        !parse_decimal(r.substr(of + 4, dot == std::string_view::npos ? dot : dot - of - 4),
+                       f.world) ||
+        f.world == 0 || f.rank >= f.world)
+      continue;
+    if (dot != std::string_view::npos) {
+      const std::string_view gen = r.substr(dot + 1);
+      const std::size_t d = gen.find('.');
+      if (d == std::string_view::npos || gen.size() != d + 17 ||
+          !parse_decimal(gen.substr(0, d), f.g) || f.g == 0)
+        continue;
+      bool ok = true;
+      for (const char c : gen.substr(d + 1)) {
+        const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        ok = ok && v >= 0;
+        f.id = f.id << 4 | static_cast<std::uint64_t>(v < 0 ? 0 : v);
+      }
+      if (!ok) continue;
+    }
+    out.push_back(f);
+  }
+  std::sort(out.begin(), out.end(), std::greater<>());
+  return out;
+}
+
+DDP_INLINE std::uint64_t section_checksum(std::span<const std::byte> b) {
+  std::uint64_t h = 0xcbf29ce484222325ull ^ b.size();
+  for (const std::byte c : b) h = (h ^ static_cast<std::uint64_t>(c)) * 0x100000001b3ull;
+  return h;
+}
+
+DDP_INLINE FileInfo describe(const Checkpoint& ck, const std::string& file) {
+  FileInfo info;
+  for (const std::string& name : ck.names()) {
+    if (name == "ddp.shard" || name.rfind("ddp.sharded.", 0) == 0) continue;
+    if (const auto layout = ck.sharded_layout(name)) {
+      const auto words = ck.get_object<std::vector<std::uint64_t>>(layout_section(name));
+      if (ck.get(name).size() != layout->elements() * words[0])
+        fail(Errc::protocol, "Checkpoint: ", file, ": sharded section \"", name, "\" holds ",
+             ck.get(name).size(), " bytes, not the ", layout->elements(), " elements of ", words[0],
+             " bytes its layout says");
+      info.emplace_back(name, words);
+    } else if (name == "ddp.values") {
+      fail(Errc::mismatch, "Checkpoint: ", file,
+           " was saved by an older ddp, without the layout a new world size or other "
+           "BucketOptions need; load it with those that saved it, save again, then resume");
+    } else {
+      info.emplace_back(
+          name, std::vector<std::uint64_t>{0, section_checksum(ck.get(name)), ck.get(name).size()});
+    }
+  }
+  return info;
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/checkpoint/impl/reshard.ipp
+#endif
+// end ddp/checkpoint/reshard.hpp
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+struct MirrorAccess;
+}
+
+/// The in-memory sharded state of a ShardedAverager (see the file comment). Make it once, before
+/// the averager, and keep it across membership changes (the averager is made again after
+/// each; the mirror is not).
+class ShardMirror {
+ public:
+  /// Bytes held on this rank (its own shards and its neighbour's, of the saves kept).
+  [[nodiscard]] std::size_t bytes() const noexcept;
+  /// The tags of the saves kept on this rank, oldest first.
+  [[nodiscard]] std::vector<std::uint64_t> tags() const;
+  /// Forgets every save.
+  void clear() noexcept { saves_.clear(); }
+
+ private:
+  friend struct detail::MirrorAccess;
+  struct Save {
+    std::uint64_t tag = 0, g = 0, id = 0, world = 0, rank = 0;
+    std::string own, next;  // this rank's shard, and rank (rank + 1) % world's
+  };
+  static constexpr std::size_t kept = 2;
+  std::vector<Save> saves_;  // oldest first
+};
+
+namespace detail {
+
+/// ShardedAverager's access to a ShardMirror.
+struct MirrorAccess {
+  /// Collective: this rank's shard checkpoint (`state` with `extra` sections) kept in `m` and on
+  /// the rank before, as save `tag`.
+  template <class Comm>
+  static void save(Comm& comm, ShardMirror& m, std::uint64_t tag, const Checkpoint& state,
+                   std::span<const Checkpoint::Section> extra) {
+    const auto n = static_cast<std::uint64_t>(comm.size()),
+               me = static_cast<std::uint64_t>(comm.rank());
+    // 1. Every rank is here, so every rank finished the newest save: the one before it is
+    // needed no more, and its memory takes this one.
+    // The ranks must save the same tag and the same unsharded sections (after a loss they go
+    // to every survivor), checked here rather than found out after a loss.
+    const std::uint64_t newest = m.saves_.empty() ? 0 : m.saves_.back().g;
+    const auto ids = comm.all_gather_object(std::vector<std::uint64_t>{
+        newest, me == 0 ? random_value<std::uint64_t>() : 0, tag, plain_checksum(state)});
+    for (std::uint64_t r = 1; r < n; ++r) {
+      if (ids[r][2] != ids[0][2])
+        fail(Errc::mismatch, "rank ", me, ": ShardedAverager::save (in-memory copies): rank ", r,
+             " saves tag ", ids[r][2], " but rank 0 tag ", ids[0][2],
+             "; every rank saves the same tag (the steps done, say)");
+      if (ids[r][3] != ids[0][3]) refuse_plain(comm, state, r);
+    }
+    ShardMirror::Save s{tag, 0, ids[0][1], n, me, {}, {}};
+    for (const auto& r : ids) s.g = std::max(s.g, r[0]);
+    ++s.g;
+    if (m.saves_.size() >= ShardMirror::kept) {
+      s.own = std::move(m.saves_.front().own);
+      s.next = std::move(m.saves_.front().next);
+      m.saves_.erase(m.saves_.begin());
+    }
+    // 2. This rank's shard, then to the rank before it (sizes first).
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{me, n, tag});
+    sections.emplace_back("ddp.shard", stamp);
+    state.serialize_into(s.own, sections);
+    if (n > 1) {
+      const auto sizes = comm.all_gather_object(static_cast<std::uint64_t>(s.own.size()));
+      const std::uint64_t before = (me + n - 1) % n, after = (me + 1) % n;
+      std::vector<std::size_t> out_counts(n, 0), in_counts(n, 0);
+      out_counts[before] = s.own.size();
+      in_counts[after] = static_cast<std::size_t>(sizes[after]);
+      s.next.resize(in_counts[after]);
+      on_host_data(comm, bytes(s.own), bytes(s.next),  // through the device on backend::Nccl
+                   [&](auto& in, auto& out) { comm.all_to_all(in, out, out_counts, in_counts); });
+    } else {
+      s.next.clear();
+    }
+    m.saves_.push_back(std::move(s));
+  }
+
+  /// Collective: each rank's checkpoint of the newest save (with tag `tag`, when given) of which
+  /// the ranks hold every old rank's shard, cut for this world in the layouts `want` gives;
+  /// std::nullopt when no rank holds such a save. Before it returns, that save is mirrored again
+  /// on this world (each new shard on its own rank and the rank before it, under the same tag),
+  /// and every other save is dropped: the next loss, however soon, finds every shard twice.
+  template <class Comm>
+  static std::optional<Checkpoint> load(Comm& comm, ShardMirror& m,
+                                        std::optional<std::uint64_t> tag,
+                                        const ShardLayoutFor& want) {
+    const char* what = "ShardedAverager::load (in-memory copies)";
+    if (tag) {  // a tag no rank holds, while saves are held: say which are
+      std::vector<std::uint64_t> mine;
+      for (const auto& s : m.saves_) mine.push_back(s.tag);
+      std::set<std::uint64_t> tags;
+      for (const auto& r : comm.all_gather_object(mine)) tags.insert(r.begin(), r.end());
+      if (!tags.empty() && tags.count(*tag) == 0) {
+        std::string list;
+        for (const auto t : tags) list += concat(list.empty() ? "" : ", ", t);
+        fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a save tagged ",
+             *tag, " (the ranks hold tags ", list, "; each keeps its two newest saves)");
+      }
+    }
+    std::vector<ShardFile> held;
+    for (const auto& s : m.saves_) {
+      if (tag && s.tag != *tag) continue;
+      held.push_back({s.g, s.id, s.world, s.rank});
+      if (s.world > 1) held.push_back({s.g, s.id, s.world, (s.rank + 1) % s.world});
+    }
+    const auto set = choose_held(
+        comm, held, [&](const ShardFile& f, const std::string& have, const std::string& missing) {
+          fail(Errc::mismatch, "rank ", comm.rank(), ": ", what, ": no rank holds a copy of rank ",
+               f.rank, "'s shard of save ", f.g, " (", f.world,
+               " ranks), neither its own nor the one "
+               "on the rank before it: both were lost (held: ranks ",
+               have, "; missing: ranks ", missing, "); resume from a sharded checkpoint on disk");
+        });
+    if (!set) return std::nullopt;
+    std::map<std::uint64_t, Checkpoint> shards;  // old rank -> its checkpoint, on its reader
+    std::string error;
+    try {
+      for (std::uint64_t k = 0; k < set->world; ++k) {
+        if (set->reader[k] != comm.rank()) continue;
+        for (const auto& s : m.saves_) {
+          if (s.g != set->g || s.id != set->id || s.world != set->world) continue;
+          const std::string& b = s.rank == k ? s.own : s.next;
+          shards.emplace(k, Checkpoint::parse(b, name(k, *set)));
+        }
+      }
+    } catch (const Error& e) {
+      error = error_text(e);
+    }
+    fail_with_first(comm, comm.all_gather_object(error), what);
+    Checkpoint mine = reshard_held(comm, *set, shards, want, what,
+                                   [&](std::uint64_t k) { return name(k, *set); });
+    // Redundancy again before training goes on: the loaded save, mirrored on this world. The
+    // saves it came from are dropped (the loaded one is kept until its copy is whole).
+    const auto chosen = [&](const ShardMirror::Save& s) {
+      return s.g == set->g && s.id == set->id && s.world == set->world;
+    };
+    std::uint64_t loaded_tag = 0;
+    for (const auto& s : m.saves_)
+      if (chosen(s)) loaded_tag = s.tag;
+    for (const std::uint64_t t : comm.all_gather_object(loaded_tag))
+      loaded_tag = std::max(loaded_tag, t);
+    std::erase_if(m.saves_, [&](const ShardMirror::Save& s) { return !chosen(s); });
+    Checkpoint again;
+    for (const std::string& section : mine.names())
+      if (section != "ddp.shard") detail::CheckpointRaw::put(again, section, mine.get(section));
+    save(comm, m, loaded_tag, again, {});
+    return mine;
+  }
+
+ private:
+  /// The unsharded sections of `state` (not put with put_sharded), named with their checksums.
+  static std::vector<std::pair<std::string, std::uint64_t>> plain_sections(const Checkpoint& c);
+  static std::uint64_t plain_checksum(const Checkpoint& c);
+  /// Collective (every rank found that rank `r`'s unsharded sections differ from rank 0's):
+  /// Errc::mismatch naming the first section that differs.
+  template <class Comm>
+  [[noreturn]] static void refuse_plain(Comm& comm, const Checkpoint& state, std::uint64_t r) {
+    const auto all = comm.all_gather_object(plain_sections(state));
+    const auto& a = all[0];
+    const auto& b = all[r];
+    std::string which;
+    for (std::size_t i = 0; i < std::max(a.size(), b.size()) && which.empty(); ++i) {
+      if (i >= a.size() || i >= b.size() || a[i].first != b[i].first)
+        which = concat("section \"", i < b.size() ? b[i].first : a[i].first,
+                       "\" is on one of them only");
+      else if (a[i].second != b[i].second)
+        which = concat("section \"", a[i].first, "\" differs");
+    }
+    fail(Errc::mismatch, "rank ", comm.rank(), ": ShardedAverager::save (in-memory copies): rank ",
+         r,
+         "'s state and rank 0's have "
+         "other unsharded sections (",
+         which,
+         "): after a loss they go to every survivor, so they "
+         "must be the same on every rank; put per-rank state with Checkpoint::put_sharded");
+  }
+  static std::span<std::uint8_t> bytes(std::string& s);
+  static std::string name(std::uint64_t k, const ShardSet& set);
+};
+
+}  // namespace detail
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/training/zero/impl/shard_mirror.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/training/zero/shard_mirror.hpp>'s non-template functions. That header includes
+// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
+// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE std::size_t ShardMirror::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const Save& s : saves_) n += s.own.size() + s.next.size();
+  return n;
+}
+
+DDP_INLINE std::vector<std::uint64_t> ShardMirror::tags() const {
+  std::vector<std::uint64_t> t;
+  for (const Save& s : saves_) t.push_back(s.tag);
+  return t;
+}
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::vector<std::pair<std::string, std::uint64_t>> MirrorAccess::plain_sections(
+    const Checkpoint& c) {
+  std::vector<std::pair<std::string, std::uint64_t>> out;
+  for (const std::string& name : c.names())
+    if (!c.sharded_layout(name) && name.rfind("ddp.sharded.", 0) != 0)
+      out.emplace_back(name, section_checksum(c.get(name)));
+  return out;
+}
+
+DDP_INLINE std::uint64_t MirrorAccess::plain_checksum(const Checkpoint& c) {
+  std::uint64_t h = 0;
+  for (const auto& [name, sum] : plain_sections(c))
+    h = (h ^ section_checksum(std::as_bytes(std::span(name.data(), name.size())))) * 31 + sum;
+  return h;
+}
+
+DDP_INLINE std::span<std::uint8_t> MirrorAccess::bytes(std::string& s) {
+  return {reinterpret_cast<std::uint8_t*>(s.data()), s.size()};
+}
+
+DDP_INLINE std::string MirrorAccess::name(std::uint64_t k, const ShardSet& set) {
+  return concat("the in-memory copy of rank ", k, "'s shard (save ", set.g, " of ", set.world,
+                " ranks)");
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/training/zero/impl/shard_mirror.ipp
+#endif
+// end ddp/training/zero/shard_mirror.hpp
+// begin ddp/training/zero/sharded.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// ShardedAverager<Model, Backend>: sharded optimizer state (ZeRO stages 1 and 2), the sibling of
+/// GradientAverager.
+///
+///     ddp::ShardedAverager zero(comm, model);   // broadcasts rank 0's parameters
+///     Adam opt(zero.shard());                   // state for this rank's shard only: ~1/P
+///     for (...) {
+///       forward_backward(model, batch);         // zero.mark_ready(i) as gradients are final
+///       zero.synchronize();                     // this rank's shard holds averaged gradients
+///       opt.step(zero.shard());                 // update the shard only
+///       zero.gather();                          // every rank gets every updated parameter
+///     }
+///
+///  * The same bucket engine as GradientAverager's (ddp/training/averaging/buckets.hpp, the same
+///  options),
+///    with each bucket cut into P contiguous blocks of equal size (padded with zeros to a
+///    multiple of P); rank r owns block r of every bucket, so its shard is balanced to within one
+///    element per bucket. A large gradient (in_place_bytes and up) is communicated where it is:
+///    its first n - n % P elements; the n % P left over join the next small bucket.
+///  * A bucket whose gradients are all final starts its reduce_scatter (ddp::reduce_scatter_hook;
+///    register_comm_hook replaces it) in the background while backward goes on: rank r receives
+///    the averaged gradients of its blocks only (ZeRO-2). synchronize() waits and writes them
+///    into the gradients' owned ranges (the rest is unspecified afterwards).
+///  * shard() lists the owned ranges as ShardSlice: a parameter index, an offset, views of those
+///    values and gradients. A slice has `value` and `grad`, so the shard is itself a Model: an
+///    optimizer written for a model runs unchanged on it and keeps state (momentum, Adam's
+///    moments) for 1/P of the parameters (ZeRO-1). gather() all-gathers the updated blocks;
+///    reduce_scatter + all_gather move the bytes of one all_reduce.
+///  * Unused parameters count as zero; no_sync() accumulates micro-batches; buffers() are copied
+///    from rank 0 after each synchronize(). Not a Joinable: with uneven inputs use
+///    GradientAverager in a ddp::Join, or give every rank the same step count.
+///
+/// Checkpoints: save(state, path) has every rank write its own file (its shard of the parameters,
+/// the shard's layout, and `state`: your optimizer's state for the shard, the step), all or none;
+/// load(path) puts every rank's shard back, gathers, and returns `state`, from a set saved at any
+/// world size and with any BucketOptions: state put with Checkpoint::put_sharded(name, values,
+/// layout()) is cut again for the new shard (ZeRO resharding). A set saved with another model is
+/// refused (Errc::mismatch). With a framework whose
+/// backward adds into the gradients, zero_grad() the whole model after a step (TorchShard::step
+/// does): an optimizer on the shard zeroes only the shard's.
+
+// #include "ddp/communicator.hpp" (already included above)
+// #include "ddp/training/averaging/buckets.hpp" (already included above)
+// #include "ddp/training/averaging/gradient.hpp" (already included above)
+// #include "ddp/training/averaging/parameters.hpp" (already included above)
+// #include "ddp/training/zero/shard_mirror.hpp" (already included above)
+// begin ddp/training/zero/sharded_checkpoint.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Sharded checkpoints: every rank saves and loads its own file (its shard of the optimizer
+/// state, ShardedAverager's parameters), collectively, so that no rank writes the whole model.
+///
+///     ddp::save_sharded_checkpoint(comm, ck, "run.ckpt");   // run.ckpt.rank<R>-of-<P>.<G>.<id>
+///     if (auto ck = ddp::load_sharded_checkpoint(comm, "run.ckpt")) { ... }
+///
+/// Each save is a new generation G of the files; the older ones are removed only once every rank
+/// has its new file on disk, so a failure or a kill at any moment, on any rank, leaves a complete
+/// set to load: the newest generation that every rank has.
+///
+/// AsyncShardedSaver saves the same way in the background (every rank's file written by a thread
+/// of its own; the save complete once every rank's file is on disk).
+///
+/// A set loads on any world size: sections put with Checkpoint::put_sharded (state per element
+/// of a rank's shard, such as an optimizer's moments; ShardedAverager's parameters) are cut again
+/// for the new ranks, other sections must be the same in every file (ddp/checkpoint/reshard.hpp).
+
+// #include "ddp/checkpoint/checkpoint.hpp" (already included above)
+// #include "ddp/checkpoint/reshard.hpp" (already included above)
+// #include "ddp/config.hpp" (already included above)
+// #include "ddp/training/averaging/parameters.hpp" (already included above)
+// #include "ddp/training/zero/shard_mirror.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/detail/crypto.hpp" (already included above)
+// #include "ddp/detail/files.hpp" (already included above)
+// #include "ddp/error.hpp" (already included above)
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+namespace detail {
+/// save_sharded_checkpoint, with `extra` sections added.
+///
+/// The protocol, on every rank: (1) agree on the new generation G, one past the newest of any
+/// rank and world size that any rank sees; (2) write, flush and rename the shard into
+/// "<stem>.G.ID" (a new name: nothing is replaced) and flush the directory; (3) gather every
+/// rank's outcome. When all succeeded, generation G is complete everywhere, and each rank removes
+/// its older generations (and those of other world sizes' rank K with K % size == rank); when a
+/// rank reported a failure, each rank removes its G file, and the previous generation is
+/// untouched. When the outcome cannot be gathered (a rank died), every file stays:
+/// load_sharded_checkpoint takes the newest generation complete on every rank, and the next
+/// successful save removes the rest.
+/// One save of a sharded checkpoint on this rank: its generation, its identifier and its file.
+struct ShardSave {
+  std::string stem, target;  // this rank's files' stem, and its new file
+  std::uint64_t generation = 0, id = 0, world = 0, me = 0;
+};
+
+/// Steps (1) of the protocol, collective: the new generation and the save's identifier.
+template <class Comm>
+ShardSave begin_shard_save(Comm& comm, const std::string& path,
+                           const char* who = "save_sharded_checkpoint") {
+  ShardSave s;
+  s.stem = shard_path(path, comm.rank(), comm.size());
+  std::string error;
+  std::uint64_t newest = 0;
+  try {
+    const auto files = shard_files(path);
+    if (!files.empty()) newest = files.front().g;
+  } catch (const Error& e) {
+    error = error_text(e);
+  }
+  fail_with_first(comm, comm.all_gather_object(error), who);
+  for (const std::uint64_t g : comm.all_gather_object(newest))
+    s.generation = std::max(s.generation, g);
+  ++s.generation;
+  if (comm.rank() == 0) s.id = detail::random_value<std::uint64_t>();
+  comm.broadcast_object(s.id, 0);
+  s.me = static_cast<std::uint64_t>(comm.rank());
+  s.world = static_cast<std::uint64_t>(comm.size());
+  s.target = shard_file_path(path, {s.generation, s.id, s.world, s.me});
+  return s;
+}
+
+/// Step (2), this rank alone: `ck` with `extra` sections and the save's stamp, written, flushed
+/// and renamed into s.target. Returns the error's text ("" when written); `written`: whether
+/// the file is there (renamed, even when the flush after it failed).
+DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
+                                   std::span<const Checkpoint::Section> extra, bool& written);
+
+/// Step (3), collective: every rank's outcome (`error`, "" for success); the older generations
+/// removed when every rank's file is on disk, else this one's, and every rank fails with the
+/// first rank's error.
+template <class Comm>
+void finish_shard_save(Comm& comm, const std::string& path, const ShardSave& s,
+                       const std::string& error, bool written,
+                       const char* who = "save_sharded_checkpoint") {
+  const auto errors = comm.all_gather_object(error);  // a rank lost here: every file stays
+  bool complete = true;
+  for (const auto& e : errors) complete = complete && e.empty();
+  if (!complete) {
+    if (written) {  // generation G is incomplete: it goes, the previous one stays
+      ::unlink(s.target.c_str());
+      (void)sync_dir(parent_dir(s.target));
+    }
+    fail_with_first(comm, errors, who);
+  }
+  // Generation G is on disk on every rank: the older ones are no longer needed, of this world
+  // size and of others (each file by one rank; newer ones, or other saves of G, are another
+  // job's that writes to the same path: they stay).
+  for (const ShardFile& f : shard_files(path)) {
+    if (f.g < s.generation && (f.world == s.world ? f.rank == s.me : f.rank % s.world == s.me))
+      ::unlink(shard_file_path(path, f).c_str());
+  }
+  remove_abandoned(s.stem);
+  (void)sync_dir(parent_dir(s.stem));
+}
+
+template <class Comm>
+std::uint64_t save_shard_files(Comm& comm, const Checkpoint& ck, const std::string& path,
+                               std::span<const Checkpoint::Section> extra) {
+  const ShardSave s = begin_shard_save(comm, path);
+  bool written = false;
+  const std::string error = write_shard(s, ck, extra, written);
+  finish_shard_save(comm, path, s, error, written);
+  return s.id;
+}
+
+/// The values of `slices` (in CUDA memory when `cuda`), as the bytes of section "ddp.values",
+/// and its layout `layout` as the bytes of that section's companion.
+template <class Slices>
+std::pair<std::string, std::string> shard_values(const Slices& slices, const ShardLayout& layout,
+                                                 bool cuda) {
+  std::size_t element = 1, total = 0;
+  for (const auto& sl : slices) {
+    element = sizeof(*sl.value.data);
+    total += sl.value.bytes();
+  }
+  std::string values(total, '\0');
+  std::size_t at = 0;
+  for (const auto& sl : slices) {
+    copy_bytes(values.data() + at, sl.value.data, sl.value.bytes(), cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+    at += sl.value.bytes();
+  }
+  return {std::move(values), encode_object(layout_words(element, layout))};
+}
+
+/// ShardedAverager::save: the values of this rank's `slices` (ShardSlice; in CUDA memory when
+/// `cuda`) as sharded section "ddp.values" laid out as `layout`, with `state`, through
+/// save_shard_files. Collective.
+template <class Comm, class Slices>
+std::uint64_t save_shard(Comm& comm, const Checkpoint& state, const std::string& path,
+                         const Slices& slices, const ShardLayout& layout, bool cuda) {
+  const auto [values, words] = shard_values(slices, layout, cuda);
+  const std::string companion = layout_section("ddp.values");
+  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+  return save_shard_files(comm, state, path, extra);
+}
+
+/// The layout a load asks for (`who`'s, "ShardedAverager" say): `mine` (this rank's) for the
+/// parameters, whose sizes must be the checkpoint's (Errc::mismatch naming the first parameter
+/// that differs: a checkpoint of another model), even for other sharded sections.
+inline ShardLayoutFor wanted_layout(ShardLayout mine, int rank, int world, const char* who) {
+  return [mine = std::move(mine), rank, world, who](
+             std::string_view section, const std::vector<std::size_t>& sizes) -> ShardLayout {
+    if (sizes == mine.sizes) return mine;
+    if (section == "ddp.values") {
+      std::size_t i = 0;
+      while (i < sizes.size() && i < mine.sizes.size() && sizes[i] == mine.sizes[i]) ++i;
+      fail(Errc::mismatch, who, "::load: the checkpoint holds ", sizes.size(),
+           " parameters and this model ", mine.sizes.size(),
+           i < sizes.size() && i < mine.sizes.size()
+               ? concat("; parameter ", i, " has ", sizes[i], " elements in the checkpoint but ",
+                        mine.sizes[i], " here")
+               : std::string(),
+           ": it was saved with another model");
+    }
+    return ShardLayout::even(sizes, rank, world);
+  };
+}
+
+/// ShardedAverager::save(mirror, ...): the values of this rank's `slices` and `state` kept in
+/// `mirror` as save `tag`, as save_shard writes them to a file. Collective.
+template <class Comm, class Slices>
+void save_shard_to_mirror(Comm& comm, ShardMirror& mirror, std::uint64_t tag,
+                          const Checkpoint& state, const Slices& slices, const ShardLayout& layout,
+                          bool cuda) {
+  const auto [values, words] = shard_values(slices, layout, cuda);
+  const std::string companion = layout_section("ddp.values");
+  const Checkpoint::Section extra[] = {{"ddp.values", values}, {companion, words}};
+  MirrorAccess::save(comm, mirror, tag, state, extra);
+}
+
+/// ShardedAverager::load: checks that `ck` (this rank's, from load_sharded_checkpoint in the
+/// averager's layout; `file` names it) holds parameter values in the layout of this rank's
+/// `slices`, then copies them back into the slices. Collective: a rank's problem fails every
+/// rank (Errc::mismatch).
+template <class Comm, class Slices>
+void restore_shard(Comm& comm, const Checkpoint& ck, const std::string& file, const Slices& slices,
+                   const ShardLayout& layout, bool cuda, const char* who = "ShardedAverager") {
+  std::string problem;
+  std::size_t bytes = 0;
+  for (const auto& sl : slices) bytes += sl.value.bytes();
+  const auto stamp = ck.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  std::vector<std::uint64_t> legacy{static_cast<std::uint64_t>(comm.size())};  // older saves
+  for (const ShardRange& r : layout.ranges)
+    legacy.insert(legacy.end(), {r.array, r.offset, r.size});
+  if (!ck.contains("ddp.values")) {
+    problem = concat(file, " holds no parameters (it was saved by save_sharded_checkpoint, not ",
+                     who, "::save)");
+  } else if (ck.sharded_layout("ddp.values")
+                 ? *ck.sharded_layout("ddp.values") != layout
+                 : std::vector<std::uint64_t>(stamp.begin() + 3, stamp.end()) != legacy) {
+    problem = concat(file, " holds its parameters in another layout than this ", who, "'s");
+  } else if (ck.get("ddp.values").size() != bytes) {
+    problem = concat(file, " holds ", ck.get("ddp.values").size(), " bytes of parameters, not ",
+                     bytes, ": it was saved with another element type");
+  }
+  const auto problems = comm.all_gather_object(problem);
+  for (std::size_t r = 0; r < problems.size(); ++r) {
+    if (!problems[r].empty())
+      fail(Errc::mismatch, "rank ", comm.rank(), ": ", who, "::load: rank ", r, ": ", problems[r],
+           "; resume with the model that saved it");
+  }
+  const std::byte* values = ck.get("ddp.values").data();
+  for (const auto& sl : slices) {
+    copy_bytes(sl.value.data, values, sl.value.bytes(), cuda, sl.value.stream);
+    sync_stream(cuda, sl.value.stream);
+    values += sl.value.bytes();
+  }
+}
+}  // namespace detail
+
+/// Collective: every rank saves its own `ck` (its shard of the optimizer state) as a new
+/// generation of its shard files (shard_path(path, rank, size) + ".G.ID"). Each rank writes,
+/// flushes and renames its file into a name of its own; only when every rank has succeeded are
+/// the older generations removed. A failure anywhere (a full disk on one rank, a rank killed at
+/// any moment) therefore leaves the previous complete set loadable: a rank that reports a
+/// failure makes every rank remove the new generation and fail with that rank's error; a rank
+/// that dies leaves the files as they are, and load_sharded_checkpoint takes the newest set
+/// that is complete on every rank. Each file records the rank, the world size and a save
+/// identifier (the same in every rank's file: shard_save_id) that load_sharded_checkpoint
+/// checks. Returns the identifier. (ShardedAverager::save also records the shard's layout and
+/// parameter values.) Ranks may save to one shared file system or each to its own disk.
+template <class Comm>
+std::uint64_t save_sharded_checkpoint(Comm& comm, const Checkpoint& ck, const std::string& path) {
+  return detail::save_shard_files(comm, ck, path, {});
+}
+
+/// The save identifier of a shard file that load_sharded_checkpoint returned (the value
+/// save_sharded_checkpoint returned when it was saved), e.g. to match it to a checkpoint saved
+/// beside it.
+[[nodiscard]] DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard);
+
+/// save_sharded_checkpoint in the background (torch.distributed.checkpoint's async_save): each
+/// rank's file is written by a thread of this saver while training goes on, and the save counts
+/// as complete only once every rank's file is on disk. Every rank of `comm` calls save() and
+/// wait() at the same points (both are collective, as save_sharded_checkpoint is):
+///
+///     ddp::AsyncShardedSaver saver;
+///     if (step % 100 == 0) {
+///       ddp::Checkpoint ck;                       // this rank's part: its shard, the step, ...
+///       ck.put_sharded("m", moments, layout);
+///       saver.save(comm, std::move(ck), "run.ckpt");  // agrees on the save, returns at once
+///     }
+///     ...
+///     saver.wait(comm);                            // before the program ends
+///
+/// save() first completes the save before it (as wait() does), then agrees with the other ranks
+/// on the new generation and starts writing this rank's file. wait() waits for this rank's
+/// write and gathers every rank's outcome: when all are on disk, the older generations are
+/// removed; when a rank failed (a full disk, a missing directory), its error is thrown on every
+/// rank and the new generation is removed. Until then load_sharded_checkpoint takes the newest
+/// generation whose files are all on disk, so a crash or SIGKILL at any moment leaves the last
+/// complete save loadable. A checkpoint that every rank holds whole (no sharded state) needs no
+/// coordination: rank 0 alone saves it with an AsyncSaver. The destructor waits for this rank's
+/// write but completes nothing (it is not collective): the next save() or a load does.
+class AsyncShardedSaver {
+ public:
+  AsyncShardedSaver() = default;
+  AsyncShardedSaver(const AsyncShardedSaver&) = delete;
+  AsyncShardedSaver& operator=(const AsyncShardedSaver&) = delete;
+  ~AsyncShardedSaver() {
+    if (writer_.joinable()) writer_.join();
+  }
+
+  /// Collective: completes the save in flight (wait()), then starts saving `ck` (taken, nothing
+  /// copied) as this rank's part of a new generation of `path`. Returns the save's identifier
+  /// (shard_save_id of its files).
+  template <class Comm>
+  std::uint64_t save(Comm& comm, Checkpoint&& ck, const std::string& path) {
+    wait(comm);
+    detail::ShardSave s = detail::begin_shard_save(comm, path, "AsyncShardedSaver::save");
+    const std::uint64_t id = s.id;
+    pending_.emplace(Pending{std::move(s), path, std::move(ck), {}, false});
+    try {
+      writer_ = std::thread(
+          [p = &*pending_] { p->error = detail::write_shard(p->save, p->ck, {}, p->written); });
+    } catch (const std::system_error& e) {
+      pending_->error =
+          detail::concat("rank ", comm.rank(), ": AsyncShardedSaver: no thread to write ",
+                         pending_->save.target, ": ", e.what());
+    }
+    return id;
+  }
+  /// save() of a copy of `ck`.
+  template <class Comm>
+  std::uint64_t save(Comm& comm, const Checkpoint& ck, const std::string& path) {
+    return save(comm, Checkpoint(ck), path);
+  }
+
+  /// Collective: waits for this rank's write of the save in flight, if any, and completes the
+  /// save on every rank (or fails on every rank with the first rank's error).
+  template <class Comm>
+  void wait(Comm& comm) {
+    if (writer_.joinable()) writer_.join();
+    if (!pending_) return;
+    Pending p = std::move(*pending_);
+    pending_.reset();
+    detail::finish_shard_save(comm, p.path, p.save, p.error, p.written, "AsyncShardedSaver::wait");
+  }
+
+  /// Whether a save was started and not yet completed by wait().
+  [[nodiscard]] bool pending() const noexcept { return pending_.has_value(); }
+
+ private:
+  struct Pending {
+    detail::ShardSave save;
+    std::string path;
+    Checkpoint ck;
+    std::string error;
+    bool written;
+  };
+  std::optional<Pending> pending_;
+  std::thread writer_;
+};
+
+/// Collective: loads the newest save of `path` that has a file of every rank that saved it
+/// (a save cut short leaves the one before it), saved at this world size or any other;
+/// std::nullopt on every rank when no rank sees any shard file (a run that starts afresh).
+///
+///  * At the world size that saved it, each rank gets its own file's checkpoint as it was saved.
+///  * At another world size (or with `layout` asking for other layouts), each rank gets the
+///    sections that are not sharded (which must then be the same in every file) and each
+///    sharded section (Checkpoint::put_sharded) holding the values of the pieces its layout
+///    names: `layout(section, sizes)`, or by default, at another world size,
+///    ShardLayout::even(sizes, rank, size). Old files are read once each, by any rank that sees
+///    them (shared storage or each rank's own disk), and pieces travel between ranks.
+///
+/// Fails on every rank when a file is invalid (Errc::protocol or Errc::system, naming the rank),
+/// when there are files but no complete save, when the files come from different saves, or
+/// when they disagree (Errc::mismatch).
+template <class Comm>
+[[nodiscard]] std::optional<Checkpoint> load_sharded_checkpoint(Comm& comm, const std::string& path,
+                                                                const ShardLayoutFor& layout = {}) {
+  std::string error;
+  std::vector<detail::ShardFile> files;
+  try {
+    detail::check_directory(shard_path(path, comm.rank(), comm.size()), "Checkpoint");
+    files = detail::shard_files(path);
+  } catch (const Error& e) {
+    error = detail::error_text(e);
+  }
+  detail::fail_with_first(comm, comm.all_gather_object(error), "load_sharded_checkpoint");
+  const std::optional<detail::ShardSet> set = detail::choose_shard_set(comm, path, files);
+  if (!set) return std::nullopt;
+  return detail::load_shard_set(comm, path, *set, layout);
+}
+
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/training/zero/impl/sharded_checkpoint.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/training/zero/sharded_checkpoint.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE std::string write_shard(const ShardSave& s, const Checkpoint& ck,
+                                   std::span<const Checkpoint::Section> extra, bool& written) {
+  written = false;
+  try {
+    const std::string stamp = encode_object(std::vector<std::uint64_t>{s.me, s.world, s.id});
+    std::vector<Checkpoint::Section> sections(extra.begin(), extra.end());
+    sections.emplace_back("ddp.shard", stamp);  // a view: the stamp outlives the write
+    StagedFile f(s.stem, "Checkpoint");
+    f.write(ck.serialize_with(sections));
+    f.commit(s.target);  // a new name: nothing is replaced
+    written = true;
+    return {};
+  } catch (const Error& e) {
+    written = ::access(s.target.c_str(), F_OK) == 0;  // renamed, then the flush failed
+    return error_text(e);
+  } catch (const std::exception& e) {  // std::bad_alloc, from a background writer
+    return concat("rank ", s.me, ": ", e.what());
+  } catch (...) {
+    return concat("rank ", s.me, ": writing ", s.target, " failed");
+  }
+}
+}  // namespace detail
+DDP_END_NAMESPACE
+
+DDP_BEGIN_NAMESPACE
+
+DDP_INLINE std::uint64_t shard_save_id(const Checkpoint& shard) {
+  const auto stamp = shard.get_object<std::vector<std::uint64_t>>("ddp.shard");
+  if (stamp.size() < 3)
+    detail::fail(Errc::protocol, "Checkpoint: the ddp.shard section is damaged");
+  return stamp[2];
+}
+
+DDP_END_NAMESPACE
+// end ddp/training/zero/impl/sharded_checkpoint.ipp
+#endif
+// end ddp/training/zero/sharded_checkpoint.hpp
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+
+/// One piece of the shard a rank owns: elements [offset, offset + value.size) of parameter
+/// `param`. It has a value and a gradient, so it is a Parameter and a shard is a Model.
+template <class T>
+struct ShardSlice {
+  std::size_t param = 0;   ///< The parameter's index in the model.
+  std::size_t offset = 0;  ///< The slice's first element within the parameter.
+  TensorView<T> value;     ///< The parameter's values [offset, offset + size).
+  TensorView<T> grad;      ///< Their averaged gradients (after synchronize()).
+};
+
+/// Sharded optimizer state (see the file comment). T: the parameters' element type (deduced for
+/// typed parameters; give it for run-time-typed ones that are not float32). mark_ready,
+/// synchronize, average, no_sync, found_nonfinite and register_comm_hook are GradientAverager's.
+template <Model M, class Backend, class T = typename detail::model_element<M>::type>
+class ShardedAverager : public detail::Averager<M, Backend> {
+  using Base = detail::Averager<M, Backend>;
+  using Engine = detail::BucketEngine<T, M, Backend>;
+  static_assert(detail::is_floating_scalar_v<T>,
+                "ShardedAverager: T must be float, double, ddp::half or ddp::bfloat16");
+
+ public:
+  /// The parameters' element type.
+  using value_type = T;
+  /// One owned range (see ShardSlice).
+  using Slice = ShardSlice<T>;
+
+  /// Shards `model`'s gradients and optimizer updates over `comm` (both must outlive it); copies
+  /// rank 0's parameters (and buffers) to every rank unless `options` says not to. Collective.
+  ShardedAverager(Communicator<Backend>& comm, M& model, BucketOptions options = {})
+      : Base(comm, model, options, dtype_of<T>) {
+    this->impl_ = std::make_unique<Engine>(comm, model, options, true);
+    if (options.broadcast_parameters || options.broadcast_buffers) this->broadcast_buffers(0);
+    engine().for_each_owned([&](std::size_t param, std::size_t offset, std::size_t n) {
+      slices_.push_back({param, offset, {nullptr, n, {}, nullptr}, {nullptr, n, {}, nullptr}});
+      shard_size_ += n;
+    });
+    std::sort(slices_.begin(), slices_.end(), [](const Slice& a, const Slice& b) {
+      return a.param != b.param ? a.param < b.param : a.offset < b.offset;
+    });
+    for (const auto& v : engine().values()) total_size_ += v.size;
+  }
+  /// A model ddp cannot take, after the compile error that says why (detail::rejected_model).
+  template <class Other>
+    requires std::same_as<M, detail::rejected_model> ShardedAverager(Communicator<Backend>& comm,
+                                                                     Other& model,
+                                                                     BucketOptions options = {});
+
+  /// This rank's shard: the ranges of parameters it updates, by parameter then offset. The
+  /// views follow the model's buffers (looked up again at each step); a Model, for optimizers.
+  [[nodiscard]] std::span<Slice> shard() noexcept {
+    const auto &values = engine().values(), &grads = engine().grads();
+    for (Slice& s : slices_) {
+      const TensorView<T>&v = values[s.param], &g = grads[s.param];
+      s.value = {v.data + s.offset, s.value.size, v.device, v.stream};
+      s.grad = {g.data + s.offset, s.grad.size, g.device, g.stream};
+    }
+    return slices_;
+  }
+  /// Elements in this rank's shard (the padding of buckets not counted).
+  [[nodiscard]] std::size_t shard_size() const noexcept { return shard_size_; }
+  /// Elements in all parameters.
+  [[nodiscard]] std::size_t total_size() const noexcept { return total_size_; }
+
+  /// Every rank's shard, updated, to every rank: afterwards each rank holds every parameter.
+  /// The bucket all_gathers run in the background while earlier ones are copied out. Refused
+  /// unless synchronize() has run since the last gather() (the shard's gradients would not be
+  /// averaged). Collective.
+  void gather() {
+    if (engine().started())
+      fail("gather(): this step's gradients are being reduced; call synchronize() first");
+    if (!engine().synced())
+      fail(
+          "gather(): synchronize() has not run since the last gather(), so the shard's gradients "
+          "are not averaged; call synchronize() (or average()) before the update");
+    engine().look_up_all();  // the parameters where they are now
+    engine().gather_values();
+  }
+
+  /// Sets every gradient of the model to zero (gradients a framework has not made yet are left
+  /// alone). For frameworks whose backward adds into the gradients (libtorch): after a step the
+  /// shard's gradients hold averages and the rest hold what this rank sent, and an optimizer on
+  /// the shard zeroes only its own; call this (TorchShard::step does) before the next backward.
+  void zero_grad() { engine().zero_grads(); }
+
+  /// This rank's shard as a ShardLayout: the arrays are the parameters (their element counts),
+  /// the pieces are shard()'s slices in order. Give it to Checkpoint::put_sharded with state
+  /// kept per element of the shard (an optimizer's moments, in shard() order), so that load()
+  /// can cut that state again for another world size or other BucketOptions.
+  [[nodiscard]] ShardLayout layout() const {
+    ShardLayout out;
+    for (const auto& v : engine().values()) out.sizes.push_back(v.size);
+    for (const Slice& s : slices_) out.ranges.push_back({s.param, s.offset, s.value.size});
+    return out;
+  }
+
+  /// Collective: saves this rank's part of a sharded checkpoint, next to the others': the
+  /// parameter values of its shard (a sharded section laid out as layout()) and `state` (the
+  /// optimizer's state for the shard, put with Checkpoint::put_sharded(name, values, layout());
+  /// the step, ...), to shard_path(path, rank, size) through the two phases of
+  /// save_sharded_checkpoint (every rank's file, or none). No rank writes the whole model.
+  /// Returns the save identifier.
+  std::uint64_t save(const Checkpoint& state, const std::string& path) {
+    engine().look_up_all();
+    return detail::save_shard(*this->comm_, state, path, shard(), layout(), engine().cuda());
+  }
+  /// save() with no state besides the parameters.
+  std::uint64_t save(const std::string& path) { return save(Checkpoint{}, path); }
+  /// The older order of save(state, path).
+  [[deprecated(
+      "save(state, path): what is saved first, where second, as every save of ddp")]] std::uint64_t
+  save(const std::string& path, const Checkpoint& state) {
+    return save(state, path);
+  }
+
+  /// Collective: loads what save() wrote, saved at this world size or any other, with these
+  /// BucketOptions or others: every rank's shard of the parameters goes back in place and is
+  /// gathered (every rank then holds every parameter), and the checkpoint is returned for the
+  /// rest (`state`'s sections), its sharded sections over this model's parameters in layout()
+  /// (other sharded sections evenly: see load_sharded_checkpoint). std::nullopt on every rank,
+  /// parameters untouched, when there is none. A set saved with another model, or by
+  /// save_sharded_checkpoint alone, fails on every rank with Errc::mismatch; damaged or mixed
+  /// files fail as in load_sharded_checkpoint.
+  [[nodiscard]] std::optional<Checkpoint> load(const std::string& path) {
+    return restore(load_sharded_checkpoint(*this->comm_, path, wanted()),
+                   shard_path(path, this->comm_->rank(), this->comm_->size()));
+  }
+
+  /// Collective: keeps this rank's shard (what save(state, path) writes) in `mirror`, and a
+  /// copy on the rank before it, as save `tag` (the steps done, say); the two newest are kept
+  /// (ShardMirror). Costs one all_to_all of a shard per step and four shards of memory. Every
+  /// rank must save the same tag and the same unsharded sections of `state` (Errc::mismatch).
+  void save(const Checkpoint& state, ShardMirror& mirror, std::uint64_t tag) {
+    engine().look_up_all();
+    detail::save_shard_to_mirror(*this->comm_, mirror, tag, state, shard(), layout(),
+                                 engine().cuda());
+  }
+  /// save() into `mirror` with no state besides the parameters.
+  void save(ShardMirror& mirror, std::uint64_t tag) { save(Checkpoint{}, mirror, tag); }
+  /// The older order of save(state, mirror, tag).
+  [[deprecated(
+      "save(state, mirror, tag): what is saved first, where second, as every save of ddp")]] void
+  save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state) {
+    save(state, mirror, tag);
+  }
+
+  /// Collective, after a membership change (an averager made again over the survivors): loads
+  /// the newest save in `mirror` (with tag `tag`, when given) of which the ranks hold every old
+  /// rank's shard, as load(path) loads a sharded checkpoint (cut again for this world size), and
+  /// mirrors it again over this world before returning (every shard on two ranks again).
+  /// std::nullopt when no rank holds any save; Errc::mismatch when no rank holds `tag` (naming
+  /// the tags held), or when a shard was lost with both of the ranks holding it.
+  [[nodiscard]] std::optional<Checkpoint> load(ShardMirror& mirror,
+                                               std::optional<std::uint64_t> tag = std::nullopt) {
+    return restore(detail::MirrorAccess::load(*this->comm_, mirror, tag, wanted()),
+                   detail::concat("the in-memory copy of rank ", this->comm_->rank(), "'s shard"));
+  }
+
+  /// One optimizer step: average(), then `update(shard())` (the optimizer, on this rank's shard
+  /// only), then gather(). Ignored inside no_sync().
+  template <class F>
+  void step(F&& update) {
+    if (this->impl_->in_no_sync()) return;
+    this->average();
+    std::forward<F>(update)(shard());
+    gather();
+  }
+
+  /// The 2-norm of the whole averaged gradient (after synchronize()), from every rank's shard:
+  /// the same value on every rank, for gradient clipping (scale the shard's gradients by
+  /// max_norm / norm before the update). Collective.
+  [[nodiscard]] double grad_norm() {
+    return detail::gradient_norm<T>(
+        [&](auto&& f) { engine().for_each_result(f); },
+        [&](std::vector<double>& v, bool max) {
+          this->comm_->all_reduce_host(std::span<double>(v), max ? ReduceOp::max : ReduceOp::sum);
+        });
+  }
+
+ private:
+  Engine& engine() { return static_cast<Engine&>(*this->impl_); }
+  const Engine& engine() const { return static_cast<const Engine&>(*this->impl_); }
+
+  /// The layout load() asks for: this averager's for its parameters (a checkpoint of another
+  /// model refused), even for other sharded sections.
+  [[nodiscard]] ShardLayoutFor wanted() const {
+    return detail::wanted_layout(layout(), this->comm_->rank(), this->comm_->size(),
+                                 "ShardedAverager");
+  }
+  /// The shard of `ck` (named `where` in errors) back in place, gathered.
+  std::optional<Checkpoint> restore(std::optional<Checkpoint> ck, const std::string& where) {
+    if (!ck) return std::nullopt;
+    engine().look_up_all();
+    detail::restore_shard(*this->comm_, *ck, where, shard(), layout(), engine().cuda());
+    engine().gather_values();
+    return ck;
+  }
+
+  template <class... A>
+  [[noreturn]] void fail(const A&... a) const {
+    detail::fail(Errc::invalid_argument, "rank ", this->comm_->rank(), ": ShardedAverager: ", a...);
+  }
+
+  std::vector<Slice> slices_;
+  std::size_t shard_size_ = 0, total_size_ = 0;
+};
+
+/// `ShardedAverager zero(comm, model)` deduces the model type and the backend.
+template <class Backend, class M>
+ShardedAverager(Communicator<Backend>&, M&, BucketOptions = {})
+    -> ShardedAverager<detail::model_t<M>, Backend>;
+
+DDP_END_NAMESPACE
+// end ddp/training/zero/sharded.hpp
+// #include "ddp/training/zero/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 #include <algorithm>
@@ -27785,8 +29737,16 @@ class FullyShardedAverager : public Joinable {
   /// Checkpoint::put_sharded(name, values, layout()); the step, ...), to shard_path(path, rank,
   /// size) through the two phases of save_sharded_checkpoint. No rank writes the whole model.
   /// Returns the save identifier.
-  std::uint64_t save(const std::string& path, const Checkpoint& state = Checkpoint{}) {
+  std::uint64_t save(const Checkpoint& state, const std::string& path) {
     return detail::save_shard(*comm_, state, path, shard(), layout(), shard_at_.cuda());
+  }
+  /// save() with no state besides the parameters.
+  std::uint64_t save(const std::string& path) { return save(Checkpoint{}, path); }
+  /// The older order of save(state, path).
+  [[deprecated(
+      "save(state, path): what is saved first, where second, as every save of ddp")]] std::uint64_t
+  save(const std::string& path, const Checkpoint& state) {
+    return save(state, path);
   }
 
   /// Collective: loads what save() wrote, at this world size or any other (every rank's shard
@@ -27800,11 +29760,19 @@ class FullyShardedAverager : public Joinable {
                    shard_path(path, comm_->rank(), comm_->size()));
   }
 
-  /// Collective: keeps this rank's shard (what save(path, state) writes) in `mirror` and a copy
+  /// Collective: keeps this rank's shard (what save(state, path) writes) in `mirror` and a copy
   /// on the rank before it, as save `tag` (ShardMirror): after a rank is lost, the survivors'
   /// new averager loads it with load(mirror).
-  void save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state = Checkpoint{}) {
+  void save(const Checkpoint& state, ShardMirror& mirror, std::uint64_t tag) {
     detail::save_shard_to_mirror(*comm_, mirror, tag, state, shard(), layout(), shard_at_.cuda());
+  }
+  /// save() into `mirror` with no state besides the parameters.
+  void save(ShardMirror& mirror, std::uint64_t tag) { save(Checkpoint{}, mirror, tag); }
+  /// The older order of save(state, mirror, tag).
+  [[deprecated(
+      "save(state, mirror, tag): what is saved first, where second, as every save of ddp")]] void
+  save(ShardMirror& mirror, std::uint64_t tag, const Checkpoint& state) {
+    save(state, mirror, tag);
   }
 
   /// Collective, after a membership change (an averager made again over the survivors): loads
@@ -28093,9 +30061,8 @@ FullyShardedAverager(Communicator<Backend>&, std::vector<std::vector<std::size_t
                      FullyShardedOptions) -> FullyShardedAverager<Backend, float>;
 
 DDP_END_NAMESPACE
-// end ddp/training/fully_sharded.hpp
-// #include "ddp/training/parameters.hpp" (already included above)
-// #include "ddp/training/unit_memory.hpp" (already included above)
+// end ddp/training/fully_sharded/fully_sharded.hpp
+// #include "ddp/training/fully_sharded/unit_memory.hpp" (already included above)
 
 #include <array>
 #include <cstddef>
@@ -28533,9 +30500,9 @@ FullyShard(Communicator<Backend>&, M&, std::vector<std::vector<std::size_t>>, I,
            FullyShardOptions = {}) -> FullyShard<detail::model_t<M>, Backend>;
 
 DDP_END_NAMESPACE
-// end ddp/training/fully_shard.hpp
-// #include "ddp/training/fully_sharded.hpp" (already included above)
-// #include "ddp/training/gradient.hpp" (already included above)
+// end ddp/training/fully_sharded/fully_shard.hpp
+// #include "ddp/training/fully_sharded/fully_sharded.hpp" (already included above)
+// #include "ddp/training/fully_sharded/unit_memory.hpp" (already included above)
 // begin ddp/training/guard.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -28616,953 +30583,8 @@ class ZeroFirstGuard {
 
 DDP_END_NAMESPACE
 // end ddp/training/guard.hpp
-// #include "ddp/training/join.hpp" (already included above)
-// begin ddp/training/logging.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Output for training programs: ddp::Logger prints on rank 0 only (or on every rank, each line
-/// prefixed with its rank), a whole line per write(2) so that ranks sharing a terminal or a log
-/// file never interleave within a line; ddp::Progress draws an epoch's progress bar with the
-/// samples per second of the whole job: redrawn in place on a terminal, a line at every quarter
-/// (or as asked) in a log file, where carriage returns would pile up.
-///
-///     ddp::Logger log(comm.rank());                         // rank 0 prints
-///     ddp::Progress bar(log, "epoch 1/5", sampler.num_samples(), comm.size());
-///     for (...) { ...; bar.update(seen, {{"loss", running_loss}}); }
-///     bar.finish();
-///     log.print("epoch %d: %s", epoch + 1, metrics.reduce(comm).format().c_str());
-///
-/// Why in the library rather than in each example: every data-parallel program needs rank
-/// gating, whole-line writes and a terminal-or-log decision, and gets them subtly wrong on its own
-/// (a bar redrawn into a log file, ranks' half lines mixed); what is drawn stays a few lines here.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/detail/lean_std.hpp" (already included above)
-
-#include <unistd.h>
-
-#include <algorithm>
-#include <cerrno>
-#include <cstdarg>
-#include <cstddef>
-#include <cstdio>
-#include <cstdlib>
-#include <initializer_list>
-#include <limits>
-#include <string>
-#include <string_view>
-#include <utility>
-
-DDP_BEGIN_NAMESPACE
-
-/// Where and on which ranks a Logger prints.
-struct LoggerOptions {
-  /// Every rank prints, each line prefixed "[rN] " (else rank 0 only, without a prefix). Under
-  /// ddprun, which prefixes every line with the rank the process started as, a Logger adds
-  /// nothing, or "(now rN) " once shrink() or grow() gave the process another rank.
-  bool every_rank = false;
-  /// The file descriptor lines go to (stdout by default; 2 for stderr).
-  int fd = 1;
-};
-
-/// Prints whole lines on rank 0 (see the file comment). Copyable; no state but the options.
-class Logger {
- public:
-  /// A logger for rank `rank` (rank 0 prints unless `o` says every rank does).
-  explicit Logger(int rank, LoggerOptions o = {});
-
-  /// Whether this rank prints.
-  [[nodiscard]] bool enabled() const noexcept { return o_.every_rank || rank_ == 0; }
-  /// Whether the output is a terminal (where Progress redraws in place).
-  [[nodiscard]] bool terminal() const noexcept { return ::isatty(o_.fd) == 1; }
-
-  /// printf-style; a newline is added. One write(2) per line.
-#if defined(__GNUC__)
-  __attribute__((format(printf, 2, 3)))
-#endif
-  void
-  print(const char* format, ...) const {
-    if (!enabled()) return;
-    va_list args;
-    va_start(args, format);
-    std::string line = vformat(format, args);
-    va_end(args);
-    line += '\n';
-    write_all(line);
-  }
-
-  /// Writes `text` as it is (with the rank prefix when every rank prints), in one write(2).
-  void write(std::string_view text) const;
-
- private:
-  static std::string vformat(const char* format, va_list args);
-
-  void write_all(std::string text) const;
-
-  int rank_;
-  LoggerOptions o_;
-  int started_as_ = -1;  // the RANK ddprun's "[rRANK] " prefix names (-1: no such prefix)
-};
-
-#if DDP_BODIES
-DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {
-  const char* prefixed = std::getenv("DDP_OUTPUT_PREFIXED");
-  const char* started = std::getenv("RANK");
-  if (prefixed == nullptr || std::string_view(prefixed) != "1" || started == nullptr) return;
-  char* end = nullptr;
-  const long r = std::strtol(started, &end, 10);
-  if (end != started && *end == '\0' && r >= 0 && r <= std::numeric_limits<int>::max())
-    started_as_ = static_cast<int>(r);
-}
-
-DDP_INLINE void Logger::write(std::string_view text) const {
-  if (enabled()) write_all(std::string(text));
-}
-
-DDP_INLINE std::string Logger::vformat(const char* format, va_list args) {
-  va_list again;
-  va_copy(again, args);
-  char small[256];
-  const int n = std::vsnprintf(small, sizeof small, format, args);
-  std::string out;
-  if (n < 0) {
-    out = format;  // a malformed format: print it as it is rather than nothing
-  } else if (static_cast<std::size_t>(n) < sizeof small) {
-    out.assign(small, static_cast<std::size_t>(n));
-  } else {
-    out.resize(static_cast<std::size_t>(n) + 1);
-    std::vsnprintf(out.data(), out.size(), format, again);
-    out.resize(static_cast<std::size_t>(n));
-  }
-  va_end(again);
-  return out;
-}
-
-DDP_INLINE void Logger::write_all(std::string text) const {
-  if (o_.every_rank) {
-    // A prefix after the carriage return of a redrawn line, else at the start. Under ddprun,
-    // whose "[rRANK] " starts every line already, only a rank changed since (shrink, grow).
-    const std::string prefix = started_as_ < 0        ? "[r" + std::to_string(rank_) + "] "
-                               : started_as_ != rank_ ? "(now r" + std::to_string(rank_) + ") "
-                                                      : std::string();
-    text.insert(!text.empty() && text[0] == '\r' ? 1 : 0, prefix);
-  }
-  const char* p = text.data();
-  std::size_t left = text.size();
-  while (left > 0) {
-    const ssize_t n = ::write(o_.fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // output closed or full: logging never fails the training
-    p += n;
-    left -= static_cast<std::size_t>(n);
-  }
-}
-#endif  // DDP_BODIES
-
-/// An epoch's progress bar (see the file comment): `total` samples on this rank, `world` ranks
-/// (samples per second are the whole job's: this rank's rate times world, ranks being in step).
-class Progress {
- public:
-  /// A named value shown after the rate, e.g. {"loss", 0.4123}.
-  using Value = std::pair<std::string_view, double>;
-
-  /// A bar labelled `label` (e.g. "epoch 1/5") for `total` samples of this rank, `world` ranks
-  /// in step; in a log (not a terminal) a line at each 1/lines_in_logs of the total.
-  Progress(const Logger& log, std::string label, std::size_t total, int world = 1,
-           int lines_in_logs = 4);
-  Progress(const Progress&) = delete;
-  Progress& operator=(const Progress&) = delete;
-  ~Progress() {
-    if (!finished_) finish();
-  }
-
-  /// `done` of the total samples are processed; redraws when it is time (a terminal: at most 10
-  /// times a second; a log: at each 1/lines_in_logs of the total).
-  void update(std::size_t done, std::initializer_list<Value> values = {});
-
-  /// The final line (100% or wherever it stopped), ending the redrawn one on a terminal.
-  void finish(std::initializer_list<Value> values = {});
-
- private:
-  void draw(std::chrono::steady_clock::time_point now, std::initializer_list<Value> values,
-            bool last);
-
-  Logger log_;
-  std::string label_;
-  std::size_t total_;
-  int world_;
-  bool terminal_;
-  int lines_;
-  int logged_ = 0;
-  std::size_t done_ = 0;
-  bool finished_ = false;
-  std::chrono::steady_clock::time_point t0_, last_draw_;
-};
-
-#if DDP_BODIES
-DDP_INLINE Progress::Progress(const Logger& log, std::string label, std::size_t total, int world,
-                              int lines_in_logs)
-    : log_(log),
-      label_(std::move(label)),
-      total_(total),
-      world_(std::max(world, 1)),
-      terminal_(log.enabled() && log.terminal()),
-      lines_(std::max(lines_in_logs, 1)),
-      t0_(std::chrono::steady_clock::now()),
-      last_draw_(t0_) {}
-
-DDP_INLINE void Progress::update(std::size_t done, std::initializer_list<Value> values) {
-  done_ = std::min(done, total_);
-  if (!log_.enabled()) return;
-  const auto now = std::chrono::steady_clock::now();
-  if (terminal_) {
-    if (now - last_draw_ < std::chrono::milliseconds(100) && done_ < total_) return;
-  } else {
-    const std::size_t next =
-        total_ * static_cast<std::size_t>(logged_ + 1) / static_cast<std::size_t>(lines_);
-    if (done_ < next || logged_ >= lines_) return;
-    while (logged_ < lines_ && done_ >= total_ * static_cast<std::size_t>(logged_ + 1) /
-                                            static_cast<std::size_t>(lines_))
-      ++logged_;
-  }
-  last_draw_ = now;
-  draw(now, values, false);
-}
-
-DDP_INLINE void Progress::finish(std::initializer_list<Value> values) {
-  finished_ = true;
-  if (!log_.enabled()) return;
-  if (!terminal_ && logged_ >= lines_) return;  // the last quarter's line is already out
-  draw(std::chrono::steady_clock::now(), values, true);
-}
-
-DDP_INLINE void Progress::draw(std::chrono::steady_clock::time_point now,
-                               std::initializer_list<Value> values, bool last) {
-  const double secs = std::chrono::duration<double>(now - t0_).count();
-  const int pct = total_ == 0 ? 100 : static_cast<int>(100 * done_ / total_);
-  char head[160];
-  std::snprintf(head, sizeof head, "%s%s [%-20s] %3d%%  %.0f samples/s", terminal_ ? "\r" : "",
-                label_.c_str(), std::string(static_cast<std::size_t>(pct / 5), '#').c_str(), pct,
-                static_cast<double>(done_) * world_ / std::max(secs, 1e-9));
-  std::string line = head;
-  for (const auto& [name, v] : values) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "  %.*s %.4g", static_cast<int>(name.size()), name.data(), v);
-    line += buf;
-  }
-  if (!terminal_ || last) line += '\n';
-  log_.write(line);
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/logging.hpp
-// begin ddp/training/metrics.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// ddp::Metrics: named scalars that every rank records during an epoch (a loss, counts of correct
-/// answers, a step time), reduced across ranks in one collective: sums, weighted means, minima and
-/// maxima, the same bits on every rank.
-///
-///     ddp::Metrics m;
-///     m.mean("loss", batch_loss, batch_size);    // weighted: per-sample, not per-rank
-///     m.sum("correct", correct).sum("seen", batch_size);
-///     m.max("step_ms", ms);
-///     const auto r = m.reduce(comm);             // collective: every rank calls it
-///     if (comm.rank() == 0) std::puts(r.format().c_str());   // "loss 0.3412  correct 8923 ..."
-///
-/// reduce() is one all_reduce of a rank-by-metric table (each rank fills its own row, zeros
-/// elsewhere), after which every rank combines the rows in rank order 0..P-1: sums and means
-/// are those ddp's own all_reduce would give (bitwise on backend::Host), and a mean is the sum of
-/// value × weight over every rank's records divided by the sum of the weights (as exact_mean:
-/// ranks with more samples weigh more). Every rank must record the same names, kinds and order;
-/// reduce() compares them (a digest in each row) and fails with Errc::mismatch on every rank,
-/// naming the first rank that differs, instead of mixing up values. It costs 8 × P × (names + 1)
-/// bytes: meant for a handful of metrics per epoch or per log line, not per-element tensors.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/process_group.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <limits>
-#include <span>
-#include <string>
-#include <string_view>
-#include <utility>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// How a metric combines across records and ranks.
-enum class MetricKind : std::uint8_t {
-  sum,   ///< the total
-  mean,  ///< Σ value × weight / Σ weight over every record of every rank
-  min,   ///< the smallest value
-  max,   ///< the largest value
-};
-
-/// Reduced metrics: the same names, in the order they were first recorded, with their values.
-class MetricValues {
- public:
-  /// One reduced metric.
-  struct Entry {
-    std::string name;  ///< as recorded
-    MetricKind kind;   ///< how it combined
-    double value;      ///< the reduced value (NaN when no rank recorded one)
-    double weight;     ///< mean: Σ weight over all ranks; sum, min, max: records over all ranks
-  };
-
-  /// The value named `name`; Errc::invalid_argument naming it when there is none.
-  [[nodiscard]] double operator[](std::string_view name) const { return entry(name).value; }
-  /// The entry named `name` (value, kind, weight); Errc::invalid_argument when there is none.
-  [[nodiscard]] const Entry& entry(std::string_view name) const;
-  /// Whether a metric named `name` was reduced.
-  [[nodiscard]] bool contains(std::string_view name) const noexcept;
-  /// Every entry, in recording order.
-  [[nodiscard]] const std::vector<Entry>& entries() const noexcept { return entries_; }
-  /// The number of metrics.
-  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
-  /// Whether there are none.
-  [[nodiscard]] bool empty() const noexcept { return entries_.empty(); }
-
-  /// "loss 0.3412  correct 8923  step_ms 41.2": each value with `digits` significant digits
-  /// (%g), in recording order, two spaces apart.
-  [[nodiscard]] std::string format(int digits = 4) const;
-
- private:
-  friend class Metrics;
-  [[nodiscard]] std::string names() const;
-  std::vector<Entry> entries_;
-};
-
-#if DDP_BODIES
-DDP_INLINE auto MetricValues::entry(std::string_view name) const -> const Entry& {
-  for (const Entry& e : entries_) {
-    if (e.name == name) return e;
-  }
-  detail::fail(Errc::invalid_argument, "MetricValues: no metric named \"", name,
-               "\" (recorded: ", names(), ")");
-}
-
-DDP_INLINE bool MetricValues::contains(std::string_view name) const noexcept {
-  return std::any_of(entries_.begin(), entries_.end(),
-                     [&](const Entry& e) { return e.name == name; });
-}
-
-DDP_INLINE std::string MetricValues::format(int digits) const {
-  std::string out;
-  for (const Entry& e : entries_) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.*g", std::clamp(digits, 1, 17), e.value);
-    if (!out.empty()) out += "  ";
-    out += e.name;
-    out += ' ';
-    out += buf;
-  }
-  return out;
-}
-
-DDP_INLINE std::string MetricValues::names() const {
-  std::string s;
-  for (const Entry& e : entries_) s += (s.empty() ? "" : ", ") + e.name;
-  return s.empty() ? std::string("none") : s;
-}
-#endif  // DDP_BODIES
-
-/// Named scalars recorded on each rank and reduced across ranks in one collective (see the file
-/// comment). Recording is local and cheap; a name keeps the kind it was first recorded with.
-class Metrics {
- public:
-  /// Adds `value` to the sum named `name`.
-  Metrics& sum(std::string_view name, double value);
-  /// Records `value` as the mean of `weight` samples (a batch's mean loss and its size): the
-  /// reduced mean weighs every sample of every rank alike. weight 0 records nothing.
-  Metrics& mean(std::string_view name, double value, double weight = 1.0);
-  /// Keeps the smallest value recorded as `name`.
-  Metrics& min(std::string_view name, double value);
-  /// Keeps the largest value recorded as `name`.
-  Metrics& max(std::string_view name, double value);
-
-  /// This rank's own values (not reduced), for per-rank logs.
-  [[nodiscard]] MetricValues local() const;
-
-  /// Collective: every rank of `comm` calls it, having recorded the same names with the same
-  /// kinds in the same order (Errc::mismatch on every rank otherwise). Returns the reduced
-  /// values, the same on every rank; the records stay (clear() starts afresh). A metric no rank
-  /// recorded a value for (a mean of weight 0 everywhere, a min with no record) is NaN.
-  template <ProcessGroup Comm>
-  [[nodiscard]] MetricValues reduce(Comm& comm) const {
-    const std::size_t p = static_cast<std::size_t>(comm.size());
-    const std::size_t me = static_cast<std::size_t>(comm.rank());
-    const std::size_t k = slots_.size();
-    const std::size_t row = 2 * k + 1;  // digest, then (a, b) per metric
-    std::vector<double> table(p * row, 0.0);
-    double* mine = table.data() + me * row;
-    mine[0] = static_cast<double>(digest() >> 11);  // 53 bits: exact in a double
-    for (std::size_t i = 0; i < k; ++i) {
-      mine[1 + 2 * i] = slots_[i].a;
-      mine[2 + 2 * i] = slots_[i].b;
-    }
-    comm.all_reduce_host(std::span<double>(table), ReduceOp::sum);
-    for (std::size_t j = 0; j < p; ++j) {
-      if (table[j * row] != mine[0]) {
-        detail::fail(Errc::mismatch, "rank ", me, ": Metrics::reduce: rank ", j,
-                     " recorded other metrics than this rank (", describe(),
-                     "); every rank must record the same names, with the same kinds, in the "
-                     "same order (record a weight-0 mean or skip the name on every rank)");
-      }
-    }
-    MetricValues out;
-    for (std::size_t i = 0; i < k; ++i) {
-      const MetricKind kind = slots_[i].kind;
-      double a = 0, b = 0;
-      bool any = false;
-      for (std::size_t j = 0; j < p; ++j) {  // rank order: the same bits on every rank
-        const double ra = table[j * row + 1 + 2 * i], rb = table[j * row + 2 + 2 * i];
-        if (kind == MetricKind::sum || kind == MetricKind::mean) {
-          a = j == 0 ? ra : a + ra;
-          b = j == 0 ? rb : b + rb;
-        } else if (rb > 0) {
-          a = !any ? ra : kind == MetricKind::min ? std::min(a, ra) : std::max(a, ra);
-          b += rb;
-          any = true;
-        }
-      }
-      if ((kind == MetricKind::min || kind == MetricKind::max) && !any)
-        a = std::numeric_limits<double>::quiet_NaN();
-      out.entries_.push_back({slots_[i].name, kind, value_of(kind, a, b), b});
-    }
-    return out;
-  }
-
-  /// Forgets every record and name (e.g. at the start of an epoch).
-  void clear() noexcept { slots_.clear(); }
-  /// Forgets the records but keeps the names, kinds and order.
-  void reset() noexcept {
-    for (Slot& s : slots_) s.a = s.b = 0;
-  }
-  /// The number of names recorded.
-  [[nodiscard]] std::size_t size() const noexcept { return slots_.size(); }
-
- private:
-  struct Slot {
-    std::string name;
-    MetricKind kind;
-    double a = 0;  // sum: total; mean: Σ value × weight; min/max: the extreme so far
-    double b = 0;  // mean: Σ weight; otherwise the number of records
-  };
-
-  Slot& slot(std::string_view name, MetricKind kind);
-
-  static double value_of(MetricKind kind, double a, double b);
-
-  static std::string_view to_string(MetricKind k) noexcept;
-
-  /// FNV-1a over the names and kinds, in order.
-  [[nodiscard]] std::uint64_t digest() const noexcept;
-
-  [[nodiscard]] std::string describe() const;
-
-  std::vector<Slot> slots_;
-};
-
-#if DDP_BODIES
-DDP_INLINE Metrics& Metrics::sum(std::string_view name, double value) {
-  Slot& s = slot(name, MetricKind::sum);
-  s.a += value;
-  s.b += 1;
-  return *this;
-}
-
-DDP_INLINE Metrics& Metrics::mean(std::string_view name, double value, double weight) {
-  if (!(weight >= 0) || !std::isfinite(weight)) {
-    detail::fail(Errc::invalid_argument, "Metrics::mean(\"", name, "\"): the weight ", weight,
-                 " must be finite and non-negative (a number of samples)");
-  }
-  Slot& s = slot(name, MetricKind::mean);
-  if (weight > 0) {
-    s.a += value * weight;
-    s.b += weight;
-  }
-  return *this;
-}
-
-DDP_INLINE Metrics& Metrics::min(std::string_view name, double value) {
-  Slot& s = slot(name, MetricKind::min);
-  s.a = s.b == 0 ? value : std::min(s.a, value);
-  s.b += 1;
-  return *this;
-}
-
-DDP_INLINE Metrics& Metrics::max(std::string_view name, double value) {
-  Slot& s = slot(name, MetricKind::max);
-  s.a = s.b == 0 ? value : std::max(s.a, value);
-  s.b += 1;
-  return *this;
-}
-
-DDP_INLINE MetricValues Metrics::local() const {
-  MetricValues v;
-  for (const Slot& s : slots_)
-    v.entries_.push_back({s.name, s.kind, value_of(s.kind, s.a, s.b), s.b});
-  return v;
-}
-
-DDP_INLINE auto Metrics::slot(std::string_view name, MetricKind kind) -> Slot& {
-  for (Slot& s : slots_) {
-    if (s.name != name) continue;
-    if (s.kind != kind) {
-      detail::fail(Errc::invalid_argument, "Metrics: \"", name, "\" was recorded as a ",
-                   to_string(s.kind), " and now as a ", to_string(kind),
-                   "; a name keeps its kind (clear() forgets it)");
-    }
-    return s;
-  }
-  if (name.empty()) detail::fail(Errc::invalid_argument, "Metrics: a metric needs a name");
-  slots_.push_back({std::string(name), kind});
-  return slots_.back();
-}
-
-DDP_INLINE double Metrics::value_of(MetricKind kind, double a, double b) {
-  if (kind == MetricKind::mean) return b > 0 ? a / b : std::numeric_limits<double>::quiet_NaN();
-  if ((kind == MetricKind::min || kind == MetricKind::max) && b == 0)
-    return std::numeric_limits<double>::quiet_NaN();
-  return a;
-}
-
-DDP_INLINE std::string_view Metrics::to_string(MetricKind k) noexcept {
-  switch (k) {
-    case MetricKind::sum: return "sum";
-    case MetricKind::mean: return "mean";
-    case MetricKind::min: return "min";
-    case MetricKind::max: return "max";
-  }
-  return "?";
-}
-
-DDP_INLINE std::uint64_t Metrics::digest() const noexcept {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  const auto mix = [&](unsigned char c) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  };
-  for (const Slot& s : slots_) {
-    for (char c : s.name) mix(static_cast<unsigned char>(c));
-    mix(0);
-    mix(static_cast<unsigned char>(s.kind));
-  }
-  return h;
-}
-
-DDP_INLINE std::string Metrics::describe() const {
-  std::string s;
-  for (const Slot& x : slots_)
-    s += detail::concat(s.empty() ? "" : ", ", x.name, " (", to_string(x.kind), ")");
-  return s.empty() ? std::string("no metrics") : "this rank has " + s;
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/metrics.hpp
-// begin ddp/training/powersgd.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// PowerSGD (Vogels et al., 2019), as torch's powerSGD_hook defines it: a comm hook that sends a
-/// rank-r approximation of each gradient matrix instead of the matrix.
-///
-///     ddp::PowerSGDHook powersgd({.rank = 4, .start_iter = 100});
-///     avg.register_comm_hook(powersgd);          // copies share one state
-///     ...
-///     powersgd.stats();                          // elements sent vs. uncompressed
-///
-/// Per bucket, once `start_iter` steps have gone by with a plain all_reduce: the error kept from
-/// the previous step is added to the gradients (error feedback); each gradient of a parameter
-/// whose rows the model gives (BucketPiece::rows, torch: size(0) of a tensor of 2+ dimensions)
-/// and that compresses by at least `min_compression_rate` is seen as an n x m matrix M, the
-/// rest (vectors, small or square-ish matrices: the per-tensor fallback) is all_reduced as it
-/// is, in one buffer. For the matrices: P = M Q (Q: the previous step's, warm start, else random
-/// and orthogonalized, the same on every rank), all_reduce(P), orthogonalize P, Q = M^T P,
-/// all_reduce(Q), M ~ P Q^T. The error, what this rank's gradient lost, is kept for the next
-/// step. So per matrix (n + m) r elements travel instead of n m.
-///
-/// A step whose result holds an inf or a NaN (a loss-scaling step that overflowed) would leave
-/// them in the error and the warm-start Q, and every later step would be non-finite too: the
-/// bucket's error and Q are reset instead (the next step starts afresh, as the first compressed
-/// step does), counted in PowerSGDStats::resets. The result is the same on every rank, so every
-/// rank resets alike.
-///
-/// Host memory only (there are no GPU kernels in ddp's headers): a bucket on a CUDA device is
-/// refused with Errc::unsupported. The hook computes and communicates when its bucket is ready,
-/// in the thread that completes it (its two all_reduces are small). In a ddp::Join, a finished
-/// rank's calls (bucket.shadow, zeros) issue the same collectives and leave the state alone.
-
-// #include "ddp/config.hpp" (already included above)
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/tensor.hpp" (already included above)
-// #include "ddp/training/comm_hooks.hpp" (already included above)
-// #include "ddp/types.hpp" (already included above)
-// #include "ddp/work.hpp" (already included above)
-
-#include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <span>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-
-/// PowerSGD's settings (torch's PowerSGDState).
-struct PowerSGDOptions {
-  /// The rank r of the approximation (matrix_approximation_rank).
-  std::size_t rank = 1;
-  /// Steps run with a plain all_reduce first (start_powerSGD_iter).
-  std::size_t start_iter = 1000;
-  /// A matrix n x m is compressed only when n m > (n + m) r times this.
-  double min_compression_rate = 2;
-  /// Keeps what compression lost and adds it to the next step's gradients.
-  bool error_feedback = true;
-  /// Starts each step's power iteration from the previous step's Q.
-  bool warm_start = true;
-  /// Added to each column's norm when orthogonalizing (0: none; a zero column stays zero).
-  float orthogonalization_epsilon = 0;
-  /// Seed of the random initial Q (the same on every rank).
-  std::uint64_t seed = 0;
-};
-
-/// What a PowerSGDHook has sent: elements of its all_reduces, and what plain all_reduces of the
-/// same buckets would have sent.
-struct PowerSGDStats {
-  std::uint64_t steps = 0;            ///< Steps seen (last buckets).
-  std::uint64_t sent = 0;             ///< Elements all_reduced, every step.
-  std::uint64_t uncompressed = 0;     ///< Elements of the buckets, every step.
-  std::uint64_t compressed_sent = 0;  ///< Of `sent`, in the compressed steps only.
-  std::uint64_t compressed_full = 0;  ///< Of `uncompressed`, in the compressed steps only.
-  /// Buckets whose error feedback and warm-start Q were reset after a non-finite result.
-  std::uint64_t resets = 0;
-};
-
-namespace detail {
-
-/// A reproducible standard normal sequence (splitmix64 and Box-Muller).
-class NormalSequence {
- public:
-  explicit NormalSequence(std::uint64_t seed);
-  float next();
-
- private:
-  std::uint64_t bits();
-  std::uint64_t s_;
-  float spare_ = 0;
-  bool has_spare_ = false;
-};
-
-#if DDP_BODIES
-DDP_INLINE NormalSequence::NormalSequence(std::uint64_t seed) : s_(seed) {}
-
-DDP_INLINE float NormalSequence::next() {
-  if (has_spare_) {
-    has_spare_ = false;
-    return spare_;
-  }
-  const double u1 = (static_cast<double>(bits() >> 11) + 1.0) * 0x1.0p-53;
-  const double u2 = static_cast<double>(bits() >> 11) * 0x1.0p-53;
-  const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
-  spare_ = static_cast<float>(r * std::sin(t));
-  has_spare_ = true;
-  return static_cast<float>(r * std::cos(t));
-}
-
-DDP_INLINE std::uint64_t NormalSequence::bits() {
-  std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-#endif  // DDP_BODIES
-
-// The factors are kept transposed, one row per column of P (r x n) and of Q (r x c), so that
-// every loop below runs over contiguous memory.
-
-/// Gram-Schmidt on the r rows (of n) of `a`, in place: each row made orthogonal to the ones
-/// before it (twice: once is not enough in floating point when rows are nearly dependent) and
-/// normalized (`epsilon` added to the norm). A row that is (numerically) in the span of the
-/// ones before it becomes zero: normalizing the rounding noise left of it would add a direction
-/// the data does not have.
-DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon);
-#if DDP_BODIES
-DDP_INLINE void orthogonalize(float* a, std::size_t r, std::size_t n, float epsilon) {
-  const auto dot = [n](const float* x, const float* y) {
-    double s = 0;
-    for (std::size_t k = 0; k < n; ++k) s += double{x[k]} * y[k];
-    return s;
-  };
-  for (std::size_t i = 0; i < r; ++i) {
-    float* row = a + i * n;
-    const double before = std::sqrt(dot(row, row));
-    for (int pass = 0; pass < 2; ++pass) {
-      for (std::size_t j = 0; j < i; ++j) {
-        const auto f = static_cast<float>(dot(a + j * n, row));
-        for (std::size_t k = 0; k < n; ++k) row[k] -= f * a[j * n + k];
-      }
-    }
-    const double after = std::sqrt(dot(row, row));
-    const float scale = after > 1e-5 * before && after + epsilon > 0
-                            ? static_cast<float>(1.0 / (after + epsilon))
-                            : 0.0f;
-    for (std::size_t k = 0; k < n; ++k) row[k] *= scale;
-  }
-}
-#endif  // DDP_BODIES
-
-// Each kernel reads the big matrix m once (it is the gradient: megabytes), in chunks of its
-// rows that stay in the first-level cache while the r factors are applied to them.
-inline constexpr std::size_t powersgd_chunk = 256;
-
-/// pt (r x n) = (m q)^T for m (n x c, row-major) and qt = q^T (r x c).
-DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
-                      std::size_t r);
-#if DDP_BODIES
-DDP_INLINE void times(const float* m, const float* qt, float* pt, std::size_t n, std::size_t c,
-                      std::size_t r) {
-  std::vector<float> acc(r * 8);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float* row = m + i * c;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    std::size_t j = 0;
-    for (; j + 8 <= c; j += 8)  // eight partial sums: vectorizes without reassociation
-      for (std::size_t k = 0; k < r; ++k)
-        for (std::size_t l = 0; l < 8; ++l) acc[k * 8 + l] += row[j + l] * qt[k * c + j + l];
-    for (std::size_t k = 0; k < r; ++k) {
-      const float* a = &acc[k * 8];
-      float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-      for (std::size_t t = 0; t < c - j; ++t) sum += row[j + t] * qt[k * c + j + t];
-      pt[k * n + i] = sum;
-    }
-  }
-}
-#endif  // DDP_BODIES
-
-/// qt (r x c) = (m^T p)^T for m (n x c) and pt = p^T (r x n).
-DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
-                                 std::size_t c, std::size_t r);
-#if DDP_BODIES
-DDP_INLINE void times_transposed(const float* m, const float* pt, float* qt, std::size_t n,
-                                 std::size_t c, std::size_t r) {
-  std::fill(qt, qt + r * c, 0.0f);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float* row = m + i * c;
-    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
-      const std::size_t j1 = std::min(c, j0 + powersgd_chunk);
-      for (std::size_t k = 0; k < r; ++k) {
-        const float f = pt[k * n + i];
-        float* q = qt + k * c;
-        for (std::size_t j = j0; j < j1; ++j) q[j] += f * row[j];
-      }
-    }
-  }
-}
-#endif  // DDP_BODIES
-
-/// m (n x c) = p q^T for pt = p^T (r x n) and qt = q^T (r x c); with `err`, err = what m held
-/// minus what it holds now (error feedback), in the same pass.
-DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
-                      std::size_t c, std::size_t r);
-#if DDP_BODIES
-DDP_INLINE void outer(const float* pt, const float* qt, float* m, float* err, std::size_t n,
-                      std::size_t c, std::size_t r) {
-  float out[powersgd_chunk];
-  for (std::size_t i = 0; i < n; ++i) {
-    float* row = m + i * c;
-    for (std::size_t j0 = 0; j0 < c; j0 += powersgd_chunk) {
-      const std::size_t len = std::min(c - j0, powersgd_chunk);
-      std::fill(out, out + len, 0.0f);
-      for (std::size_t k = 0; k < r; ++k) {
-        const float f = pt[k * n + i];
-        const float* q = qt + k * c + j0;
-        for (std::size_t j = 0; j < len; ++j) out[j] += f * q[j];
-      }
-      if (err != nullptr)
-        for (std::size_t j = 0; j < len; ++j) err[i * c + j0 + j] = row[j0 + j] - out[j];
-      std::copy(out, out + len, row + j0);
-    }
-  }
-}
-#endif  // DDP_BODIES
-
-}  // namespace detail
-
-/// The PowerSGD comm hook for float32 gradients (see the file comment). Copies share one state:
-/// register a copy and keep this one to read stats().
-class PowerSGDHook {
- public:
-  /// A hook with its own state (checked: rank >= 1, min_compression_rate >= 0).
-  explicit PowerSGDHook(PowerSGDOptions o = {});
-
-  /// What has been sent so far.
-  [[nodiscard]] PowerSGDStats stats() const;
-  /// The settings it was made with.
-  [[nodiscard]] const PowerSGDOptions& options() const noexcept { return s_->o; }
-
-  /// Reduces `b` (see the file comment); returns a finished Work.
-  template <class Comm>
-  Work operator()(Comm& comm, GradBucket<float>& b) const {
-    State& s = *s_;
-    std::lock_guard lock(s.mutex);  // one bucket at a time: they share the state
-    if (b.buffer.device.is_cuda())
-      detail::fail(Errc::unsupported, "rank ", comm.rank(), ": PowerSGDHook: bucket ", b.index,
-                   " is on ", to_string(b.buffer.device),
-                   "; PowerSGD runs on host buckets only (ddp's headers carry no GPU kernels)");
-    const std::size_t n_all = b.buffer.size;
-    const bool compress = s.iter >= s.o.start_iter;
-    s.stats.uncompressed += n_all;
-    if (compress) s.stats.compressed_full += n_all;
-    if (b.last) {
-      ++s.iter;  // finished ranks too: every rank switches at the same step
-      ++s.stats.steps;
-    }
-    if (!compress) {
-      s.stats.sent += n_all;
-      comm.all_reduce(b.buffer, b.op);
-      return {};
-    }
-    if (s.buckets.size() <= b.index) s.buckets.resize(b.index + 1);
-    Bucket& mem = s.buckets[b.index];
-    float* g = b.buffer.data;
-    const bool feedback = s.o.error_feedback && !b.shadow;
-    if (feedback) {
-      if (mem.error.size() != n_all) mem.error.assign(n_all, 0.0f);
-      for (std::size_t i = 0; i < n_all; ++i) g[i] += mem.error[i];
-    }
-    // Which pieces are matrices worth compressing; the rest goes as it is, in one buffer.
-    struct Mat {
-      float* m;
-      std::size_t n, c, r, p_at, q_at;
-    };
-    std::vector<Mat> mats;
-    std::vector<float> plain;
-    std::vector<bool> is_matrix;
-    std::size_t p_len = 0, q_len = 0;
-    for (const BucketPiece& pc : b.pieces) {
-      const std::size_t n = pc.rows, c = n != 0 ? pc.size / n : 0;
-      const std::size_t r = std::min({s.o.rank, n, c});
-      const bool matrix =
-          pc.offset == 0 && n >= 2 && c >= 2 && n * c == pc.size &&
-          static_cast<double>(n * c) > static_cast<double>((n + c) * r) * s.o.min_compression_rate;
-      is_matrix.push_back(matrix);
-      if (matrix) {
-        mats.push_back({g + pc.at, n, c, r, p_len, q_len});
-        p_len += n * r;
-        q_len += c * r;
-      } else {
-        plain.insert(plain.end(), g + pc.at, g + pc.at + pc.size);
-      }
-    }
-    s.stats.sent += plain.size() + p_len + q_len;
-    s.stats.compressed_sent += plain.size() + p_len + q_len;
-    if (!plain.empty()) {
-      comm.all_reduce(plain, b.op);
-      std::size_t at = 0;
-      for (std::size_t k = 0; k < b.pieces.size(); ++k) {
-        if (is_matrix[k]) continue;
-        float* x = g + b.pieces[k].at;
-        if (feedback)  // what this rank's input lost
-          for (std::size_t j = 0; j < b.pieces[k].size; ++j)
-            mem.error[b.pieces[k].at + j] = x[j] - plain[at + j];
-        std::memcpy(x, plain.data() + at, b.pieces[k].size * sizeof(float));
-        at += b.pieces[k].size;
-      }
-    }
-    if (!mats.empty()) {
-      // Q: the previous step's (warm start) or random, orthogonalized, the same everywhere.
-      if (!s.o.warm_start || mem.q.size() != q_len) {
-        mem.q.resize(q_len);
-        detail::NormalSequence rng(s.o.seed * 0x100000001b3ull + b.index * 7919 + s.iter);
-        for (float& x : mem.q) x = rng.next();
-        for (const Mat& m : mats) detail::orthogonalize(mem.q.data() + m.q_at, m.r, m.c, 0);
-      }
-      std::vector<float> p(p_len), q(mem.q);
-      for (const Mat& m : mats)
-        detail::times(m.m, q.data() + m.q_at, p.data() + m.p_at, m.n, m.c, m.r);
-      comm.all_reduce(p, ReduceOp::sum);  // orthogonalized next: no need to average
-      for (const Mat& m : mats)
-        detail::orthogonalize(p.data() + m.p_at, m.r, m.n, s.o.orthogonalization_epsilon);
-      for (const Mat& m : mats)
-        detail::times_transposed(m.m, p.data() + m.p_at, q.data() + m.q_at, m.n, m.c, m.r);
-      comm.all_reduce(q, ReduceOp::sum);
-      if (b.op == ReduceOp::avg) {
-        const float inv = 1.0f / static_cast<float>(comm.size());
-        for (float& x : q) x *= inv;
-      }
-      for (const Mat& m : mats)  // and what this rank's input lost, kept for the next step
-        detail::outer(p.data() + m.p_at, q.data() + m.q_at, m.m,
-                      feedback ? mem.error.data() + (m.m - g) : nullptr, m.n, m.c, m.r);
-      if (!b.shadow) mem.q = std::move(q);
-    }
-    // An inf or NaN in the result (the same on every rank) would stay in the error and in Q
-    // and poison every later step: start this bucket afresh instead.
-    if (!std::all_of(g, g + n_all, [](float x) { return std::isfinite(x); })) {
-      if (!b.shadow) {
-        std::fill(mem.error.begin(), mem.error.end(), 0.0f);
-        mem.q.clear();
-      }
-      ++s.stats.resets;
-    }
-    return {};
-  }
-
- private:
-  struct Bucket {
-    std::vector<float> error, q;
-  };
-  struct State {
-    PowerSGDOptions o;
-    std::size_t iter = 0;
-    std::vector<Bucket> buckets;  // by bucket index
-    PowerSGDStats stats;
-    std::mutex mutex;
-  };
-  std::shared_ptr<State> s_;
-};
-
-#if DDP_BODIES
-DDP_INLINE PowerSGDHook::PowerSGDHook(PowerSGDOptions o) : s_(std::make_shared<State>()) {
-  if (o.rank == 0) detail::fail(Errc::invalid_argument, "PowerSGDHook: rank must be at least 1");
-  if (!(o.min_compression_rate >= 0))
-    detail::fail(Errc::invalid_argument, "PowerSGDHook: min_compression_rate must not be negative");
-  s_->o = o;
-}
-
-DDP_INLINE PowerSGDStats PowerSGDHook::stats() const {
-  std::lock_guard lock(s_->mutex);
-  return s_->stats;
-}
-#endif  // DDP_BODIES
-
-DDP_END_NAMESPACE
-// end ddp/training/powersgd.hpp
-// #include "ddp/training/sharded.hpp" (already included above)
-// #include "ddp/training/sharded_checkpoint.hpp" (already included above)
-// #include "ddp/training/state.hpp" (already included above)
-// #include "ddp/training/unit_memory.hpp" (already included above)
+// #include "ddp/training/zero/sharded.hpp" (already included above)
+// #include "ddp/training/zero/sharded_checkpoint.hpp" (already included above)
 // #include "ddp/work.hpp" (already included above)
 
 DDP_BEGIN_NAMESPACE

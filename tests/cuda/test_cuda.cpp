@@ -283,7 +283,7 @@ TEST_CASE("GradientAverager on backend::Nccl: device buckets, in place, unused p
     }
   }
   CHECK_FALSE(avg.found_nonfinite());
-  ddp::AveragerOptions compressed;
+  ddp::BucketOptions compressed;
   compressed.compression = ddp::Compression::bfloat16;
   try {
     ddp::GradientAverager bad(comm, model, compressed);

@@ -9,10 +9,10 @@
 #include "../unit/collective_cases.hpp"
 
 #include <ddp/backend/mpi.hpp>
-#include <ddp/training/fully_shard.hpp>
-#include <ddp/training/fully_sharded.hpp>
-#include <ddp/training/join.hpp>
-#include <ddp/training/sharded.hpp>
+#include <ddp/training/averaging/join.hpp>
+#include <ddp/training/fully_sharded/fully_shard.hpp>
+#include <ddp/training/fully_sharded/fully_sharded.hpp>
+#include <ddp/training/zero/sharded.hpp>
 
 #include <mpi.h>
 
@@ -236,7 +236,7 @@ TEST_CASE("GradientAverager works unchanged on backend::Mpi") {
     for (std::size_t n : {std::size_t{3}, std::size_t{100000}, std::size_t{7}}) {
       model.push_back({std::vector<float>(n, static_cast<float>(r)), std::vector<float>(n)});
     }
-    ddp::AveragerOptions o;
+    ddp::BucketOptions o;
     o.bucket_bytes = 64 * 1024;
     o.first_bucket_bytes = 1024;
     ddp::GradientAverager avg(comm, model, o);  // broadcasts rank 0's values
@@ -270,7 +270,7 @@ TEST_CASE("ShardedAverager on backend::Mpi: momentum SGD equals GradientAverager
     };
     std::vector<Param> full = make(), net = make();
     ddp::GradientAverager avg(comm, full);
-    ddp::ShardedOptions o;
+    ddp::BucketOptions o;
     o.first_bucket_bytes = 256;  // several small buckets and one in place (with a leftover)
     o.bucket_bytes = 2048;
     ddp::ShardedAverager zero(comm, net, o);

@@ -859,7 +859,7 @@ TEST_CASE(
                          torch::optim::Optimizer& opt, const std::string& to) {
       ddp::put_optimizer(state, "opt", opt, shard);
       ddp::put_buffers(state, "bn", *net);
-      zero.save(to, state);
+      zero.save(state, to);
     };
     const auto resume = [](Net& net, auto& zero, auto& shard, torch::optim::Optimizer& opt,
                            const std::string& from) {
@@ -869,7 +869,7 @@ TEST_CASE(
       ddp::get_buffers(*st, "bn", *net);
       return st;
     };
-    const ddp::ShardedOptions small{
+    const ddp::BucketOptions small{
         .bucket_bytes = 256, .first_bucket_bytes = 64, .in_place_bytes = 128};
     mp::run(3, ddp::HostTransport::shm, [&](Comm& comm) {
       torch::set_num_threads(1);

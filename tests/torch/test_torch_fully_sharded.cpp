@@ -318,7 +318,7 @@ TEST_CASE(
     run_steps(comm, net, f, opt, 0, 3);
     ddp::Checkpoint state;
     ddp::put_optimizer(state, "adam", opt, f);
-    f.averager().save(path, state);
+    f.averager().save(state, path);
     run_steps(comm, net, f, opt, 3, 6);
     const std::string model = whole_model(f);
     if (comm.rank() == 0) mp::TempDir::write(straight, model);
@@ -341,7 +341,7 @@ TEST_CASE(
     if (!to.empty()) {  // cut for this world, saved again
       ddp::Checkpoint again;
       ddp::put_optimizer(again, "adam", opt, f);
-      f.averager().save(to, again);
+      f.averager().save(again, to);
       return;
     }
     run_steps(comm, net, f, opt, 3, 6);

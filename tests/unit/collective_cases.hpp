@@ -5,9 +5,9 @@
 
 #include "multiprocess.hpp"
 
-#include <ddp/training/gradient.hpp>
+#include <ddp/data/partition.hpp>
+#include <ddp/training/averaging/gradient.hpp>
 #include <ddp/training/guard.hpp>
-#include <ddp/training/partition.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -38,8 +38,8 @@
 /// from it (nothing put).
 
 #include "ddp/adapters/torch_tensor.hpp"
+#include "ddp/checkpoint/checkpoint.hpp"
 #include "ddp/error.hpp"
-#include "ddp/training/checkpoint.hpp"
 
 #include <ATen/Functions.h>
 #include <ATen/MemoryOverlap.h>

@@ -66,8 +66,8 @@
 #include "ddp/adapters/torch_training.hpp"
 #include "ddp/communicator.hpp"
 #include "ddp/error.hpp"
-#include "ddp/training/fully_shard.hpp"
-#include "ddp/training/fully_sharded.hpp"
+#include "ddp/training/fully_sharded/fully_shard.hpp"
+#include "ddp/training/fully_sharded/fully_sharded.hpp"
 
 #include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>

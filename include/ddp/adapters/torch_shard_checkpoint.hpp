@@ -12,7 +12,7 @@
 ///     ddp::Checkpoint state;
 ///     ddp::put_optimizer(state, "adam", opt, shard);      // the shard's moments and step
 ///     ddp::put_buffers(state, "bn", *net);                // BatchNorm's statistics, if any
-///     zero.save("run.ckpt", state);                        // with the shard's parameters
+///     zero.save(state, "run.ckpt");                        // with the shard's parameters
 ///     if (auto st = zero.load("run.ckpt")) {
 ///       ddp::get_optimizer(*st, "adam", opt, shard);
 ///       ddp::get_buffers(*st, "bn", *net);
@@ -24,8 +24,8 @@
 
 #include "ddp/adapters/torch_checkpoint.hpp"
 #include "ddp/adapters/torch_training.hpp"
+#include "ddp/checkpoint/checkpoint.hpp"
 #include "ddp/error.hpp"
-#include "ddp/training/checkpoint.hpp"
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adagrad.h>

@@ -23,9 +23,9 @@
 #include "ddp/adapters/torch_tensor.hpp"
 #include "ddp/error.hpp"
 #include "ddp/tensor.hpp"
-#include "ddp/training/gradient.hpp"
-#include "ddp/training/parameters.hpp"
-#include "ddp/training/sharded.hpp"
+#include "ddp/training/averaging/gradient.hpp"
+#include "ddp/training/averaging/parameters.hpp"
+#include "ddp/training/zero/sharded.hpp"
 #include "ddp/types.hpp"
 
 #include <ATen/Functions.h>

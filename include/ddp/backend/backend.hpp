@@ -81,21 +81,6 @@ struct BackendInit {
 /// containers they run in ("" where the kernel does not say). Out of file descriptors it fails
 /// (Errc::system, naming the limit) rather than return "", which would pass for another machine.
 [[nodiscard]] DDP_INLINE std::string machine_identity();
-#if DDP_BODIES
-DDP_INLINE std::string machine_identity() {
-  char boot[64] = {};
-  std::size_t len = 0;
-  if (const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC); fd >= 0) {
-    const ssize_t n = ::read(fd, boot, sizeof boot - 1);
-    ::close(fd);
-    len = n > 0 ? static_cast<std::size_t>(n) : 0;
-  } else {
-    fail_if_out_of_fds(errno, "cannot read this machine's boot id");
-  }
-  while (len > 0 && (boot[len - 1] == '\n' || boot[len - 1] == '\r')) --len;
-  return std::string(boot, len);
-}
-#endif  // DDP_BODIES
 
 /// Identifies "the same host" for shared memory and for grouping ranks by host: same machine
 /// (host name and boot id), same /dev/shm (mount namespace), same pids (pid namespace) and same
@@ -103,29 +88,6 @@ DDP_INLINE std::string machine_identity() {
 /// with the same value count as one host (they must share /dev/shm and pids), ranks with
 /// different values as different hosts, whatever machine they run on.
 [[nodiscard]] DDP_INLINE std::string host_identity();
-#if DDP_BODIES
-DDP_INLINE std::string host_identity() {
-  if (const char* forced = std::getenv("DDP_HOST_ID"); forced != nullptr && *forced != '\0') {
-    const std::size_t n = std::strlen(forced);
-    if (n > 1024)
-      fail(Errc::invalid_argument, "DDP_HOST_ID is ", n,
-           " characters long; at most 1024 (any string, the same on the ranks of one host)");
-    return std::string("DDP_HOST_ID=") + forced;
-  }
-  char name[256] = {};
-  (void)::gethostname(name, sizeof name - 1);
-  std::string id = name;
-  id += "|";
-  id += machine_identity();
-  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/net"}) {
-    char link[128] = {};
-    const ssize_t n = ::readlink(ns, link, sizeof link - 1);
-    id += '|';
-    id.append(link, n > 0 ? static_cast<std::size_t>(n) : 0);
-  }
-  return id;
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -241,3 +203,7 @@ inline constexpr bool host_type_for_device_backend =
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/backend/impl/backend.ipp"
+#endif

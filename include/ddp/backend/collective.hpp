@@ -32,12 +32,6 @@ inline constexpr std::size_t max_buffer_bytes =
 
 /// "part x p = product", or that the product overflows.
 [[nodiscard]] DDP_INLINE std::string product_text(std::size_t part, std::size_t p);
-#if DDP_BODIES
-DDP_INLINE std::string product_text(std::size_t part, std::size_t p) {
-  if (p != 0 && part > max_buffer_bytes / p) return concat(part, " x ", p, " (which overflows)");
-  return concat(part, " x ", p, " = ", part * p);
-}
-#endif  // DDP_BODIES
 
 /// A type-erased buffer: `count` elements of `dtype`.
 struct Buf {
@@ -149,18 +143,6 @@ inline constexpr std::uint64_t fingerprint_wide = std::uint64_t{1} << 47;
 }
 
 [[nodiscard]] DDP_INLINE std::string to_string(const Fingerprint& f);
-#if DDP_BODIES
-DDP_INLINE std::string to_string(const Fingerprint& f) {
-  std::string s = concat(to_string(f.coll), '(');
-  if (is_uneven(f.coll))
-    s += concat(to_string(f.dtype), ", counts per rank");
-  else if (f.coll != Coll::barrier)
-    s += concat(to_string(f.dtype), ", count=", f.count);
-  if (f.has_op != 0) s += concat(", op=", to_string(f.op));
-  if (f.root >= 0) s += concat(", root=", f.root);
-  return s + concat(") #", f.seq);
-}
-#endif  // DDP_BODIES
 
 /// A byte range of a rank's offer.
 struct Range {
@@ -170,3 +152,7 @@ struct Range {
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/backend/impl/collective.ipp"
+#endif

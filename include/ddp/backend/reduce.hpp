@@ -177,27 +177,6 @@ constexpr ReduceFn reduce_fn_for(ReduceOp op) {
 
 /// The kernel for (dtype, op), or nullptr when the pair is not supported.
 [[nodiscard]] DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op);
-#if DDP_BODIES
-DDP_INLINE ReduceFn reduce_fn(DType t, ReduceOp op) {
-  switch (t) {
-    case DType::int8: return reduce_fn_for<std::int8_t>(op);
-    case DType::uint8: return reduce_fn_for<std::uint8_t>(op);
-    case DType::int16: return reduce_fn_for<std::int16_t>(op);
-    case DType::uint16: return reduce_fn_for<std::uint16_t>(op);
-    case DType::int32: return reduce_fn_for<std::int32_t>(op);
-    case DType::uint32: return reduce_fn_for<std::uint32_t>(op);
-    case DType::int64: return reduce_fn_for<std::int64_t>(op);
-    case DType::uint64: return reduce_fn_for<std::uint64_t>(op);
-    case DType::float16: return reduce_fn_for<half>(op);
-    case DType::float32: return reduce_fn_for<float>(op);
-    case DType::float64: return reduce_fn_for<double>(op);
-    case DType::bfloat16: return reduce_fn_for<bfloat16>(op);
-    case DType::boolean:
-      return is_supported(op, t) ? reduce_fn_for<std::uint8_t>(bool_as_byte(op)) : nullptr;
-  }
-  return nullptr;
-}
-#endif  // DDP_BODIES
 
 /// premul_sum's first step: data[i] *= factor in place, in the accumulator's precision (float
 /// for half and bfloat16), rounded once to the element type.
@@ -213,17 +192,6 @@ void scale_kernel(std::byte* data, std::size_t count, double factor) {
 
 /// The scale kernel for a floating-point dtype, else nullptr.
 [[nodiscard]] DDP_INLINE ScaleFn scale_fn(DType t);
-#if DDP_BODIES
-DDP_INLINE ScaleFn scale_fn(DType t) {
-  switch (t) {
-    case DType::float16: return &scale_kernel<half>;
-    case DType::float32: return &scale_kernel<float>;
-    case DType::float64: return &scale_kernel<double>;
-    case DType::bfloat16: return &scale_kernel<bfloat16>;
-    default: return nullptr;
-  }
-}
-#endif  // DDP_BODIES
 
 /// data[i] /= n in place, in the accumulator's precision (as avg does after its sum): the last
 /// step of an avg whose sum was taken in parts (the hierarchical all_reduce).
@@ -239,17 +207,6 @@ void divide_kernel(std::byte* data, std::size_t count, int n) {
 
 /// The divide kernel for a dtype that avg supports (floating point), else nullptr.
 [[nodiscard]] DDP_INLINE DivideFn divide_fn(DType t);
-#if DDP_BODIES
-DDP_INLINE DivideFn divide_fn(DType t) {
-  switch (t) {
-    case DType::float16: return &divide_kernel<half>;
-    case DType::float32: return &divide_kernel<float>;
-    case DType::float64: return &divide_kernel<double>;
-    case DType::bfloat16: return &divide_kernel<bfloat16>;
-    default: return nullptr;
-  }
-}
-#endif  // DDP_BODIES
 
 // ---- compressed all-reduce: float32 values that travel and are reduced as W (half, bfloat16) --
 
@@ -313,15 +270,10 @@ WireKernels wire_kernels_for(ReduceOp op) {
 
 /// Kernels for float32 values carried as `wire` (float16 or bfloat16); reduce is null otherwise.
 [[nodiscard]] DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op);
-#if DDP_BODIES
-DDP_INLINE WireKernels wire_kernels(DType wire, ReduceOp op) {
-  switch (wire) {
-    case DType::float16: return wire_kernels_for<half>(op);
-    case DType::bfloat16: return wire_kernels_for<bfloat16>(op);
-    default: return {};
-  }
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/backend/impl/reduce.ipp"
+#endif

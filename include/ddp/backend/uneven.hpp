@@ -42,35 +42,6 @@ struct UnevenPlan {
                             std::span<const std::size_t> counts, int root);
 };
 
-#if DDP_BODIES
-DDP_INLINE std::vector<std::uint64_t> UnevenPlan::row() const {
-  std::vector<std::uint64_t> r(sends);
-  r.insert(r.end(), recvs.begin(), recvs.end());
-  return r;
-}
-
-DDP_INLINE UnevenPlan UnevenPlan::gather(int p, int rank, std::size_t in_count,
-                                         std::span<const std::size_t> counts, int root) {
-  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-  for (int j = 0; j < p; ++j) {
-    if (root < 0 || j == root) plan.sends[static_cast<std::size_t>(j)] = in_count;
-    if (root < 0 || rank == root)
-      plan.recvs[static_cast<std::size_t>(j)] = counts[static_cast<std::size_t>(j)];
-  }
-  return plan;
-}
-
-DDP_INLINE UnevenPlan UnevenPlan::scatter(int p, int rank, std::size_t out_count,
-                                          std::span<const std::size_t> counts, int root) {
-  UnevenPlan plan{std::vector<std::uint64_t>(static_cast<std::size_t>(p)),
-                  std::vector<std::uint64_t>(static_cast<std::size_t>(p))};
-  plan.recvs[static_cast<std::size_t>(root)] = out_count;
-  if (rank == root) plan.sends.assign(counts.begin(), counts.end());
-  return plan;
-}
-#endif  // DDP_BODIES
-
 /// Every rank's row (rows[r * 2p ...], as UnevenPlan::row) checked pair by pair: returns
 /// sends[src * p + dst]; fails with Errc::mismatch naming the first pair that disagrees.
 /// `global(j)`: the communicator's number of rank j; `what`: the call, for the message.
@@ -98,17 +69,10 @@ template <class Global>
 /// Offsets of consecutive blocks of the given sizes.
 [[nodiscard]] DDP_INLINE std::vector<std::size_t> block_offsets(
     std::span<const std::size_t> counts);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
-  std::vector<std::size_t> at(counts.size());
-  std::size_t sum = 0;
-  for (std::size_t j = 0; j < counts.size(); ++j) {
-    at[j] = sum;
-    sum += counts[j];
-  }
-  return at;
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/backend/impl/uneven.ipp"
+#endif

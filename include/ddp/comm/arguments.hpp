@@ -88,16 +88,6 @@ Buf to_buf(T& t, int rank, const char* what, const char* name) {
 /// all_to_all's in_counts then out_counts, one per rank each, checked.
 DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
                                                   std::span<const std::size_t> b, Caller caller);
-#if DDP_BODIES
-DDP_INLINE std::vector<std::size_t> joined_counts(std::span<const std::size_t> a,
-                                                  std::span<const std::size_t> b, Caller caller) {
-  check_entries(a, caller, "all_to_all", "in_counts");
-  check_entries(b, caller, "all_to_all", "out_counts");
-  std::vector<std::size_t> v(a.begin(), a.end());
-  v.insert(v.end(), b.begin(), b.end());
-  return v;
-}
-#endif  // DDP_BODIES
 
 /// An uneven collective's call; `in`, `out` and `counts` read only where the collective reads
 /// them (see comm/call.hpp).
@@ -170,3 +160,7 @@ BatchArgs prepare_batch_args(std::span<const P2POp> ops, Caller caller) {
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/comm/impl/arguments.ipp"
+#endif

@@ -77,17 +77,6 @@ void whole(CommState& s, int rank, const char* what, const F& f, A... a) {
 /// premul_sum's first step where the backend has none of its own: this rank's values in `h`
 /// (host memory) multiplied by `factor`.
 DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what);
-#if DDP_BODIES
-DDP_INLINE void premultiply(const Buf& h, double factor, int rank, const char* what) {
-  if (h.count == 0) return;
-  if (h.device.is_cuda())
-    fail(Errc::unsupported, "rank ", rank, ": ", what, "(", to_string(h.dtype),
-         ", op premul_sum): the buffer is on ", to_string(h.device),
-         " and this backend moves it itself; ddp's headers carry no GPU kernels to multiply it "
-         "(backend::Nccl applies the factor itself): multiply on the device and use sum");
-  scale_fn(h.dtype)(h.data, h.count, factor);
-}
-#endif  // DDP_BODIES
 
 /// A copy of `h`'s bytes, for premul_sum where the input must stay as it is (reduce's non-root
 /// ranks, reduce_scatter's `in`).
@@ -335,3 +324,7 @@ void run_monitored_barrier(Backend& be, CommState& st, std::chrono::milliseconds
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/comm/impl/dispatch.ipp"
+#endif

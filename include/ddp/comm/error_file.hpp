@@ -43,62 +43,14 @@ namespace detail {
 
 /// The name of the type `t`, demangled where the ABI allows ("std::runtime_error").
 [[nodiscard]] DDP_INLINE std::string type_name(const std::type_info& t);
-#if DDP_BODIES
-DDP_INLINE std::string type_name(const std::type_info& t) {
-#if __has_include(<cxxabi.h>)
-  int status = 0;
-  if (char* name = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status)) {
-    std::string out = name;
-    std::free(name);
-    return out;
-  }
-#endif
-  return t.name();
-}
-#endif  // DDP_BODIES
 
 /// What the exception `e` says, as the first line a launcher shows: "ddp::Error (<code>):
 /// <what>", "<type>: <what>" for another std::exception.
 [[nodiscard]] DDP_INLINE std::string exception_text(const std::exception_ptr& e);
-#if DDP_BODIES
-DDP_INLINE std::string exception_text(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& x) {
-    return concat("ddp::Error (", to_string(x.code()), "): ", x.what());
-  } catch (const std::exception& x) {
-    return concat(type_name(typeid(x)), ": ", x.what());
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-#endif  // DDP_BODIES
 
 /// Writes `message` to the error file `path` in torchrun's format; nothing when `path` is
 /// empty. Never throws (it runs inside std::terminate).
 DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept;
-#if DDP_BODIES
-DDP_INLINE void write_error_file(const std::string& path, const std::string& message) noexcept {
-  try {
-    if (path.empty()) return;
-    // torchrun shows py_callstack (Python's traceback) in its summary: the message again.
-    const std::string quoted = json_quoted(message);
-    const std::string json = concat(
-        "{\"message\": {\"message\": ", quoted, ", \"extraInfo\": {\"py_callstack\": ", quoted,
-        ", \"timestamp\": \"", static_cast<long long>(std::time(nullptr)), "\"}}}\n");
-    const int fd =
-        ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) return;
-    for (std::size_t at = 0; at < json.size();) {
-      const ssize_t n = ::write(fd, json.data() + at, json.size() - at);
-      if (n <= 0) break;
-      at += static_cast<std::size_t>(n);
-    }
-    ::close(fd);
-  } catch (...) {
-  }
-}
-#endif  // DDP_BODIES
 
 /// The error file the launcher asked for (TORCHELASTIC_ERROR_FILE), or "".
 [[nodiscard]] inline std::string error_file_path() {
@@ -113,28 +65,10 @@ struct TerminateReport {
 inline TerminateReport terminate_report;
 
 [[noreturn]] DDP_INLINE void terminate_with_error_file() noexcept;
-#if DDP_BODIES
-DDP_INLINE void terminate_with_error_file() noexcept {
-  if (const std::exception_ptr e = std::current_exception())
-    write_error_file(terminate_report.path, exception_text(e));
-  if (const std::terminate_handler next = terminate_report.previous.load()) next();
-  std::abort();
-}
-#endif  // DDP_BODIES
 
 /// Installs terminate_with_error_file once per process, when the launcher asked for an error
 /// file.
 DDP_INLINE void install_error_file_handler();
-#if DDP_BODIES
-DDP_INLINE void install_error_file_handler() {
-  TerminateReport& r = terminate_report;
-  if (r.installed.load()) return;
-  std::string path = error_file_path();
-  if (path.empty() || r.installed.exchange(true)) return;
-  r.path = std::move(path);
-  r.previous.store(std::set_terminate(&terminate_with_error_file));
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 
@@ -159,3 +93,7 @@ int record(F&& fn) {
 }
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/comm/impl/error_file.ipp"
+#endif

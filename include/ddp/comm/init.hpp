@@ -14,12 +14,12 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/comm/state.hpp"
-#include "ddp/comm/timeline.hpp"
 #include "ddp/detail/env.hpp"
 #include "ddp/environment.hpp"
 #include "ddp/error.hpp"
 #include "ddp/membership/agreement.hpp"
 #include "ddp/membership/growth.hpp"
+#include "ddp/observe/timeline.hpp"
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
@@ -45,60 +45,6 @@ namespace detail {
 /// at once instead of at their timeout), and thrown here otherwise.
 DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
                                   bool needs_store, std::exception_ptr& bad_setting);
-#if DDP_BODIES
-DDP_INLINE BackendInit begin_init(CommState& state, const Environment& env, Options& options,
-                                  bool needs_store, std::exception_ptr& bad_setting) {
-  if (env.rejoin && needs_store)
-    fail(Errc::invalid_argument, "rank ", env.rank,
-         ": Communicator::init: the launcher restarted this process to join the running job "
-         "(DDP_REJOIN is set): make its communicator with Communicator::enter (README, \"Fault "
-         "tolerance\"), or launch with --on-failure shrink, which restarts nobody");
-  options = options.with_env(EnvReader(), bad_setting);
-  if (!bad_setting &&
-      (options.heartbeat.count() < 0 ||
-       (options.heartbeat.count() > 0 && options.heartbeat < std::chrono::milliseconds(100)))) {
-    try {
-      fail(Errc::invalid_argument, "rank ", env.rank, ": Options::heartbeat is ",
-           options.heartbeat.count(),
-           " ms; give 0 (no heartbeat) or at least 100 ms (shorter, a process merely waiting for "
-           "a core would count as lost)");
-    } catch (const Error&) {
-      bad_setting = std::current_exception();
-    }
-  }
-  state.configure(options);
-  state.rendezvous_deadline = Deadline::after(options.timeout).at;
-  state.world_rank = env.rank;
-  BackendInit bi;
-  bi.rank = env.rank;
-  bi.size = env.world_size;
-  bi.local_rank = env.local_rank;
-  state.local_rank_hint = env.local_rank;
-  bi.options = options;
-  // A world of one joins a store too when a launcher hosts it (ddprun, ddp::spawn): it can then
-  // admit newcomers (grow()).
-  const bool hosted = options.external_store || EnvReader().get("DDP_STORE_HOSTED") == "1" ||
-                      !options.store.empty();
-  if ((env.world_size > 1 || (hosted && (env.master_port != 0 || !options.store.empty()))) &&
-      needs_store) {
-    if (env.master_port == 0 && options.store.empty()) {
-      fail(Errc::invalid_argument, "rank ", env.rank,
-           ": Communicator::init: MASTER_PORT is not set (world size ", env.world_size,
-           "); export MASTER_ADDR and MASTER_PORT, or launch with ddprun");
-    }
-    if (env.master_addr.empty() && options.store.empty()) {
-      const int hosts = (env.world_size + env.local_world_size - 1) / env.local_world_size;
-      fail(Errc::invalid_argument, "rank ", env.rank, ": Communicator::init: the job spans ", hosts,
-           " hosts but MASTER_ADDR is not set, and ", env.launcher,
-           " does not say which host rank 0 runs on; export MASTER_ADDR=<rank 0's host> to every "
-           "rank (mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>)");
-    }
-    bi.store = state.connect_store(env);
-  }
-  if (bad_setting && !bi.store) std::rethrow_exception(bad_setting);
-  return bi;
-}
-#endif  // DDP_BODIES
 
 /// Where Options::timeline names a directory: starts this process's timeline there (the first
 /// communicator does; later ones add their group's track, named `label`: the group, and for
@@ -141,16 +87,6 @@ void start_timeline(State& s, bool at_init, std::string_view label) {
 /// Errc::invalid_argument when the program's units were compiled in both of ddp's modes
 /// (ddp_program_modes, config.hpp): they would run two copies of ddp's state.
 DDP_INLINE void refuse_mixed_modes(int rank, const char* what);
-#if DDP_BODIES
-DDP_INLINE void refuse_mixed_modes(int rank, const char* what) {
-  if ((ddp_program_modes & 3U) != 3U) return;
-  fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-       ": this program's units were compiled in both of ddp's modes, some header-only and some "
-       "with DDP_SEPARATE_COMPILATION (ddp::compiled), so two copies of ddp's state would run "
-       "side by side; compile every unit of the program in one mode (link ddp::compiled, or "
-       "define DDP_SEPARATE_COMPILATION, in all of them or in none)");
-}
-#endif  // DDP_BODIES
 
 /// Communicator::init: the state of a new communicator, connected; every message names the rank.
 template <class State>
@@ -183,13 +119,6 @@ std::shared_ptr<State> init_state(const Environment& env, Options options) {
 /// A communicator made by split(): `sub` takes `options` (the parent's, or the split's own) and
 /// its place in `parent`'s job.
 DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options);
-#if DDP_BODIES
-DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const Options& options) {
-  sub.configure(options);
-  sub.world_rank = parent.world_rank;
-  sub.local_rank_hint = parent.local_rank_hint;
-}
-#endif  // DDP_BODIES
 
 /// split() on a backend that does not split itself: the group of `color` among every rank's
 /// (color, key) `all`, ordered by (key, rank); `sub` configured with `options`, with a store
@@ -197,55 +126,10 @@ DDP_INLINE void inherit_settings(CommState& sub, const CommState& parent, const 
 DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
                                    const std::vector<std::pair<int, int>>& all, int color, int rank,
                                    std::uint64_t n, const Options& options);
-#if DDP_BODIES
-DDP_INLINE BackendInit begin_split(CommState& sub, const CommState& parent,
-                                   const std::vector<std::pair<int, int>>& all, int color, int rank,
-                                   std::uint64_t n, const Options& options) {
-  std::vector<std::pair<int, int>> members;  // (key, old rank)
-  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    if (all[static_cast<std::size_t>(r)].first == color)
-      members.emplace_back(all[static_cast<std::size_t>(r)].second, r);
-  }
-  std::sort(members.begin(), members.end());
-  inherit_settings(sub, parent, options);
-  sub.root_store = parent.root_store;
-  sub.server = parent.server;
-  sub.prefix = concat(parent.prefix, "split", n, "/", color, "/");
-  sub.base_prefix = sub.prefix;
-  sub.job_prefix = parent.job_prefix;
-  BackendInit bi;
-  bi.size = static_cast<int>(members.size());
-  for (int i = 0; i < bi.size; ++i) {
-    const int old = members[static_cast<std::size_t>(i)].second;
-    if (old == rank) bi.rank = i;
-    if (static_cast<std::size_t>(old) < parent.world_ranks.size())
-      sub.world_ranks.push_back(parent.world_ranks[static_cast<std::size_t>(old)]);
-  }
-  bi.options = options;
-  bi.local_rank = parent.local_rank_hint;
-  if (parent.root_store) {
-    bi.store = std::make_shared<Store>(parent.root_store->prefixed(sub.prefix).watching("failed"));
-    sub.store = bi.store;
-    sub.world_size = bi.size;
-    sub.joined = true;
-  }
-  return bi;
-}
-#endif  // DDP_BODIES
 
 /// Why a backend without a rendezvous store (backend::Mpi) cannot `what` (shrink, grow, enter),
 /// for the refusal.
 DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what);
-#if DDP_BODIES
-DDP_INLINE const char* membership_refusal(std::string_view backend, std::string_view what) {
-  if (backend == "mpi")
-    return what == "shrink"
-               ? "it would need an MPI library with ULFM fault tolerance (MPIX_Comm_shrink, as in "
-                 "Open MPI 5 built with it)"
-               : "MPI cannot add processes to a running job's communicator that way";
-  return "this backend has no rendezvous store to agree on a new membership in";
-}
-#endif  // DDP_BODIES
 
 /// Errc::unsupported for `what` (shrink, grow, enter) on a backend without a rendezvous store.
 template <class Backend>
@@ -549,3 +433,7 @@ std::shared_ptr<State> enter_state(const Environment& env, Options options, cons
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/comm/impl/init.ipp"
+#endif

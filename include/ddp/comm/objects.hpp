@@ -37,14 +37,6 @@ namespace detail {
 inline constexpr std::int64_t max_object_bytes = std::int64_t{1} << 30;
 
 DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from);
-#if DDP_BODIES
-DDP_INLINE void check_object_size(std::int64_t n, int rank, const char* what, int from) {
-  if (n < 0 || n > max_object_bytes) {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what, ": rank ", from,
-         "'s object encodes to ", n, " bytes, beyond the limit of ", max_object_bytes);
-  }
-}
-#endif  // DDP_BODIES
 
 /// Runs f(a, b) on host spans; on a backend that moves device memory only, on device copies of
 /// them instead, copied back afterwards. For small host data (object collectives, *_host).
@@ -209,3 +201,7 @@ template <Encodable T, class Comm>
 }  // namespace detail
 
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/comm/impl/objects.ipp"
+#endif

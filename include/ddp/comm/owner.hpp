@@ -34,18 +34,9 @@ struct OwnerProcess {
   void check_process(int rank, const char* what) const;
 };
 
-#if DDP_BODIES
-DDP_INLINE void OwnerProcess::check_process(int rank, const char* what) const {
-  if (inherited()) [[unlikely]] {
-    fail(Errc::invalid_argument, "rank ", rank, ": ", what,
-         ": this communicator was created by process ", pid,
-         " and cannot be used by a child it fork()ed (this is process ", ::getpid(),
-         "): the child would write into the parent's connections and shared memory. Create a "
-         "new communicator in the child (another MASTER_PORT or Options::group), or fork "
-         "before init()");
-  }
-}
-#endif  // DDP_BODIES
-
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/comm/impl/owner.ipp"
+#endif

@@ -16,10 +16,10 @@
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
 #include "ddp/comm/call.hpp"
-#include "ddp/comm/recorder.hpp"
 #include "ddp/comm/state.hpp"
-#include "ddp/comm/timeline.hpp"
 #include "ddp/error.hpp"
+#include "ddp/observe/recorder.hpp"
+#include "ddp/observe/timeline.hpp"
 #include "ddp/tensor.hpp"
 #include "ddp/work.hpp"
 

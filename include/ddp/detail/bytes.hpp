@@ -50,15 +50,6 @@ class ByteWriter {
   std::string& out_;
 };
 
-#if DDP_BODIES
-DDP_INLINE ByteWriter::ByteWriter(std::string& out) : out_(out) {}
-
-DDP_INLINE void ByteWriter::str(std::string_view s) {
-  put(static_cast<std::uint32_t>(s.size()));
-  raw(s.data(), s.size());
-}
-#endif  // DDP_BODIES
-
 class ByteReader {
  public:
   ByteReader(const void* data, std::size_t n, std::string_view what);
@@ -92,69 +83,13 @@ class ByteReader {
   std::string_view what_;
 };
 
-#if DDP_BODIES
-DDP_INLINE ByteReader::ByteReader(const void* data, std::size_t n, std::string_view what)
-    : p_(static_cast<const std::uint8_t*>(data)), left_(n), what_(what) {}
-
-DDP_INLINE ByteReader::ByteReader(std::string_view s, std::string_view what)
-    : ByteReader(s.data(), s.size(), what) {}
-
-DDP_INLINE void ByteReader::raw(void* out, std::size_t n) {
-  need(n);
-  if (n != 0) std::memcpy(out, p_, n);
-  p_ += n;
-  left_ -= n;
-}
-
-DDP_INLINE std::string_view ByteReader::view(std::size_t n) {
-  need(n);
-  std::string_view v(reinterpret_cast<const char*>(p_), n);
-  p_ += n;
-  left_ -= n;
-  return v;
-}
-
-DDP_INLINE std::string ByteReader::str(std::size_t max_len) {
-  const auto n = get<std::uint32_t>();
-  if (n > max_len) {
-    fail(Errc::protocol, what_, ": a string of ", n, " bytes exceeds the limit of ", max_len);
-  }
-  return std::string(view(n));
-}
-
-DDP_INLINE void ByteReader::need(std::size_t n) const {
-  if (n > left_) {
-    fail(Errc::protocol, what_, " is truncated: needs ", n, " more bytes, has ", left_);
-  }
-}
-#endif  // DDP_BODIES
-
 /// "0, 2, 3" of ranks, and back.
 DDP_INLINE std::string ranks_text(const std::vector<int>& ranks);
-#if DDP_BODIES
-DDP_INLINE std::string ranks_text(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += concat(out.empty() ? "" : ", ", r);
-  return out;
-}
-#endif  // DDP_BODIES
 DDP_INLINE std::vector<int> parse_ranks(std::string_view text);
-#if DDP_BODIES
-DDP_INLINE std::vector<int> parse_ranks(std::string_view text) {
-  std::vector<int> out;
-  int v = -1;
-  for (const char c : text) {
-    if (c >= '0' && c <= '9') {
-      v = (v < 0 ? 0 : v * 10) + (c - '0');
-    } else if (v >= 0) {
-      out.push_back(v);
-      v = -1;
-    }
-  }
-  if (v >= 0) out.push_back(v);
-  return out;
-}
-#endif  // DDP_BODIES
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/detail/impl/bytes.ipp"
+#endif

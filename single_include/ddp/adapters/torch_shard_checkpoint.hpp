@@ -13,7 +13,7 @@
 ///     ddp::Checkpoint state;
 ///     ddp::put_optimizer(state, "adam", opt, shard);      // the shard's moments and step
 ///     ddp::put_buffers(state, "bn", *net);                // BatchNorm's statistics, if any
-///     zero.save("run.ckpt", state);                        // with the shard's parameters
+///     zero.save(state, "run.ckpt");                        // with the shard's parameters
 ///     if (auto st = zero.load("run.ckpt")) {
 ///       ddp::get_optimizer(*st, "adam", opt, shard);
 ///       ddp::get_buffers(*st, "bn", *net);

@@ -209,14 +209,14 @@ TEST_CASE(
       },
       [&](ddp::Environment& env, const ddp::Options& opts) {
         ddp::Options mine = opts;
-        ddp::JoinOptions j{.ticket = "model 10 floats;step int"};  // the older names, still there
+        ddp::EnterOptions j{.ticket = "model 10 floats;step int"};
         if (env.rank == 3) j.ticket = "model 12 floats;step int";
         if (env.rank == 4) env.rank = 1;
         if (env.rank == 5) mine.token = "guess";
         if (env.rank == 6) j.wait = 300ms;
         const std::string who = "p" + std::to_string(env.rank == 1 ? 4 : env.rank);
         try {
-          auto comm = Comm::join(env, mine, j);
+          auto comm = Comm::enter(env, mine, j);
           mp::TempDir::write(dir.file(who), "admitted");
         } catch (const ddp::Error& e) {
           report_error(dir, who, e);

@@ -34,29 +34,10 @@ struct RoundScratch {
   static std::byte* at_least(std::vector<std::byte>& v, std::size_t n);
 };
 
-#if DDP_BODIES
-DDP_INLINE std::byte* RoundScratch::at_least(std::vector<std::byte>& v, std::size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-#endif  // DDP_BODIES
-
 /// Element range [lo, hi) of part j when m elements are split into `parts` cache-line-aligned
 /// parts (the last takes the remainder; parts may be empty).
 [[nodiscard]] DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts,
                                                                          int j, std::size_t elem);
-#if DDP_BODIES
-DDP_INLINE std::pair<std::size_t, std::size_t> split_range(std::size_t m, int parts, int j,
-                                                           std::size_t elem) {
-  const std::size_t align = std::max<std::size_t>(1, 64 / elem);
-  const auto bound = [&](int k) -> std::size_t {
-    if (k >= parts) return m;
-    const std::size_t b = m * static_cast<std::size_t>(k) / static_cast<std::size_t>(parts);
-    return b / align * align;
-  };
-  return {bound(j), bound(j + 1)};
-}
-#endif  // DDP_BODIES
 
 /// Calls f(start, count, first) for each segment of at most `seg` elements; at least once, so
 /// that an empty collective still synchronizes and checks fingerprints.
@@ -73,38 +54,16 @@ void for_each_segment(std::size_t n, std::size_t seg, F&& f) {
 }
 
 DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n);
-#if DDP_BODIES
-DDP_INLINE void copy_if_distinct(std::byte* dst, const std::byte* src, std::size_t n) {
-  if (n != 0 && dst != src) std::memcpy(dst, src, n);
-}
-#endif  // DDP_BODIES
 
 /// Elements per segment of the large-message paths: a slot's worth (at least one per rank).
 [[nodiscard]] DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es);
-#if DDP_BODIES
-DDP_INLINE std::size_t segment_elements(const Transport& t, std::size_t es) {
-  return std::max<std::size_t>(static_cast<std::size_t>(t.size()), t.max_offer() / es);
-}
-#endif  // DDP_BODIES
 
 /// Chunk j of a segment of m elements split among p ranks, in bytes from the segment's start.
 [[nodiscard]] DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es);
-#if DDP_BODIES
-DDP_INLINE Range chunk_bytes(std::size_t m, int p, int j, std::size_t es) {
-  const auto [lo, hi] = split_range(m, p, j, es);
-  return Range{lo * es, (hi - lo) * es};
-}
-#endif  // DDP_BODIES
 
 /// A round in which no rank offers anything: every rank has reached it (and, with `fp`, called
 /// the same collective).
 DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp);
-#if DDP_BODIES
-DDP_INLINE void empty_round(Transport& t, const Fingerprint* fp) {
-  (void)t.round(
-      {}, [](int, int) { return Range{}; }, fp);
-}
-#endif  // DDP_BODIES
 
 /// `in` holds one block of n elements per rank; in segments, rank j receives segment part of
 /// block j from every rank, and use(start, count, ptrs) consumes it (ptrs[r]: rank r's part).
@@ -129,3 +88,7 @@ void exchange_blocks(Transport& t, RoundScratch& s, const Buf& in, std::size_t n
 
 }  // namespace detail
 DDP_END_NAMESPACE
+
+#if DDP_BODIES
+#include "ddp/backend/host/impl/rounds.ipp"
+#endif
