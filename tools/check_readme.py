@@ -1,39 +1,71 @@
 #!/usr/bin/env python3
-"""Checks that the README's example is, character for character, examples/quickstart.cpp, and that
-its fault-tolerant loop is the part of examples/elastic_loop.cpp between "// README begin" and
-"// README end" (less its two spaces of indentation); the build compiles both with -Werror and
-the tests run them, so the README never shows code that does not compile. And that the README's
-Layout names every header under include/ddp and every file under tools/ (but CMakeLists.txt)."""
+"""Checks the README and the guide against the sources: README.md is the front page (at most
+MAX_README lines); its example is, character for character, examples/quickstart.cpp; the
+fault-tolerant loop of docs/guide/fault_tolerance.md is the part of examples/elastic_loop.cpp
+between "// README begin" and "// README end" (less its two spaces of indentation): the build
+compiles both with -Werror and the tests run them. Every relative link of README.md, docs/ and
+bench/README.md reaches a file that exists, and an #anchor a heading of that file. (The Layout page
+is generated and checked by tools/layout.py.)"""
 import pathlib
 import re
 import sys
 
+MAX_README = 250
 root = pathlib.Path(__file__).resolve().parent.parent
 readme = (root / "README.md").read_text()
+errors = []
+lines = readme.count("\n")
+if lines > MAX_README:
+    errors.append(f"README.md has {lines} lines (at most {MAX_README}): move the detail to a "
+                  "page of docs/guide/")
 m = re.search(r"<!-- the block below is examples/quickstart.cpp[^>]*-->\n```cpp\n(.*?)```", readme, re.S)
 if not m:
-    sys.exit("README.md: the marked example block was not found")
-example = (root / "examples/quickstart.cpp").read_text()
-if m.group(1) != example:
-    sys.exit("README.md's example differs from examples/quickstart.cpp: update one from the other")
+    errors.append("README.md: the marked example block was not found")
+elif m.group(1) != (root / "examples/quickstart.cpp").read_text():
+    errors.append("README.md's example differs from examples/quickstart.cpp: update one from the other")
+guide = (root / "docs/guide/fault_tolerance.md").read_text()
 loop = re.search(r"<!-- the block below is the loop of examples/elastic_loop.cpp[^>]*-->\n```cpp\n(.*?)```",
-                 readme, re.S)
+                 guide, re.S)
 src = re.search(r"  // README begin\n(.*?)  // README end\n",
                 (root / "examples/elastic_loop.cpp").read_text(), re.S)
 if not loop or not src:
-    sys.exit("README.md or examples/elastic_loop.cpp: the marked loop was not found")
-lines = [l[2:] if l.startswith("  ") else l for l in src.group(1).splitlines()]
-if loop.group(1) != "".join(l + "\n" for l in lines):
-    sys.exit("README.md's fault-tolerant loop differs from examples/elastic_loop.cpp: update one "
-             "from the other")
-layout = re.search(r"^## Layout\n.*?```\n(.*?)```", readme, re.S | re.M)
-if not layout:
-    sys.exit("README.md: the Layout section's block was not found")
-unnamed = [str(f.relative_to(root)) for folder in ("include/ddp", "tools")
-           for f in sorted((root / folder).rglob("*"))
-           if f.is_file() and f.name != "CMakeLists.txt"
-           and not re.search(r"(?<![\w.])" + re.escape(f.name) + r"(?![\w])", layout.group(1))]
-if unnamed:
-    sys.exit("README.md's Layout does not name: " + ", ".join(unnamed))
-print("README example == examples/quickstart.cpp, README loop == examples/elastic_loop.cpp, "
-      "README Layout names every header and tool")
+    errors.append("docs/guide/fault_tolerance.md or examples/elastic_loop.cpp: the marked loop was "
+                  "not found")
+else:
+    lines = [l[2:] if l.startswith("  ") else l for l in src.group(1).splitlines()]
+    if loop.group(1) != "".join(l + "\n" for l in lines):
+        errors.append("docs/guide/fault_tolerance.md's fault-tolerant loop differs from "
+                      "examples/elastic_loop.cpp: update one from the other")
+
+
+def slug(heading):
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path):
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+pages = [root / "README.md", root / "bench/README.md", *sorted((root / "docs").rglob("*.md"))]
+links = 0
+for page in pages:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        links += 1
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        where = page.relative_to(root)
+        if not dest.exists():
+            errors.append(f"{where}: link to {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            errors.append(f"{where}: link to {target}: no heading #{anchor} there")
+if errors:
+    sys.exit("\n".join(errors))
+print(f"README.md ({readme.count(chr(10))} lines) example == examples/quickstart.cpp, the guide's "
+      f"loop == examples/elastic_loop.cpp, {links} links of {len(pages)} pages resolve")

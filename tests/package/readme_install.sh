@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README's install lines, verbatim but for the prefix, on a copy of the source tree that was never
+# The install lines of docs/guide/building.md (and README's Install), verbatim but for the prefix, on a copy of the source tree that was never
 # built: cmake -S . -B build && cmake --install build --prefix PREFIX must install the headers,
 # the CMake package and the pkg-config file; then (where CLI11 and fmt are found)
 # cmake --build build --target ddprun ddp-trace && cmake --install ... adds bin/ddprun and
