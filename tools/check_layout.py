@@ -248,7 +248,8 @@ def main():
             if a != b:
                 room_edges.setdefault(a, set()).add(b)
                 why.setdefault((a, b), f"{h} -> {inc}")
-    for name in sorted(os.listdir(TOOLS)):
+    for name in sorted(os.path.relpath(os.path.join(d, f), TOOLS) for d, _, fs in os.walk(TOOLS)
+                       for f in fs):
         if name.endswith((".hpp", ".cpp", ".py")):
             lines = open(os.path.join(TOOLS, name), encoding="utf-8").read().count("\n")
             if lines > MAX_LINES:

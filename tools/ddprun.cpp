@@ -2,7 +2,7 @@
 // SPDX-License-Identifier: MIT
 //
 // ddprun: starts a program's worker processes on this node, like torchrun. The command line of
-// ddp::launch (tools/launch.hpp and its rooms), where the agent lives.
+// ddp::launch (tools/launch/, one room: launch.hpp and its parts), where the agent lives.
 //
 //   ddprun --nproc-per-node 4 ./train --epochs 3
 //   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 2 ./train   (node 0)
@@ -36,7 +36,7 @@
 
 #include <ddp/ddp.hpp>
 
-#include "launch.hpp"
+#include "launch/launch.hpp"
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>

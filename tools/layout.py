@@ -197,9 +197,9 @@ def render():
             out.append(entry("", f"(older paths, each including its new one: {names})", 4))
     out.append("```\n\n")
     tools = ""
-    for p in sorted((ROOT / "tools").iterdir()):
-        if p.is_file() and p.name != "CMakeLists.txt":
-            tools += entry(p.name, tool_summary(p), 0)
+    for p in sorted((ROOT / "tools").rglob("*")):
+        if p.is_file() and p.name != "CMakeLists.txt" and "__pycache__" not in p.parts:
+            tools += entry(str(p.relative_to(ROOT / "tools")), tool_summary(p), 0)
     out.append(TAIL.replace("{tools}", tools))
     return "".join(out)
 

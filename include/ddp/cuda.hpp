@@ -21,17 +21,11 @@
 #include "ddp/types.hpp"
 
 #include <cuda_runtime_api.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cstddef>
-#include <cstring>
 #include <memory>
 #include <span>
-#include <thread>
 #include <utility>
 
 DDP_BEGIN_NAMESPACE

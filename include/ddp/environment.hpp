@@ -15,7 +15,6 @@
 #include "ddp/error.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

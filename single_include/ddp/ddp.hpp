@@ -977,7 +977,6 @@ DDP_END_NAMESPACE
 #include <initializer_list>
 #include <iterator>
 #include <memory>
-#include <numeric>
 #include <span>
 #include <string>
 #include <utility>
@@ -1280,6 +1279,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/data/partition.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <numeric>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -2444,25 +2445,16 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/types.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <cstddef>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 
 DDP_BEGIN_NAMESPACE
@@ -2587,6 +2579,17 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/socket.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -2912,9 +2915,7 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <charconv>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>
@@ -2973,6 +2974,9 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/env.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <charconv>
+#include <cstdlib>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -3337,7 +3341,6 @@ DDP_END_NAMESPACE
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -3424,6 +3427,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/bytes.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -3606,10 +3611,8 @@ DDP_END_NAMESPACE
 
 #include <fcntl.h>
 #include <sys/random.h>
-#include <unistd.h>
 
 #include <array>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -3696,6 +3699,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/crypto.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <cerrno>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -4287,8 +4294,6 @@ DDP_END_NAMESPACE
 
 #include <sys/socket.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -4296,7 +4301,6 @@ DDP_END_NAMESPACE
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -4385,6 +4389,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/store/tcp_client.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <cerrno>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -4719,7 +4727,6 @@ DDP_END_NAMESPACE
 #endif
 // end ddp/store/tcp_client.hpp
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -4894,6 +4901,8 @@ DDP_END_NAMESPACE
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <algorithm>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE Store::Store(std::string host, int port, StoreOptions options)
@@ -5024,12 +5033,10 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <concepts>
 #include <cstddef>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -5193,6 +5200,10 @@ DDP_END_NAMESPACE
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <unistd.h>
+
+#include <cstring>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
@@ -5270,7 +5281,6 @@ DDP_END_NAMESPACE
 // #include "ddp/tensor.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -5449,6 +5459,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/comm/call.hpp>'s non-template functions. That header includes this file at its
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -6196,152 +6208,6 @@ DDP_END_NAMESPACE
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-// begin ddp/backend/monitored_barrier.hpp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-/// \file
-/// Communicator::monitored_barrier over a rendezvous store (torch's monitored_barrier): every
-/// rank says it arrived; rank 0 waits for the others and gives its verdict, naming the ranks that
-/// did not arrive.
-
-// #include "ddp/config.hpp" (already included above)
-#if !DDP_HAS_EXCEPTIONS
-#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
-#endif
-// #include "ddp/error.hpp" (already included above)
-// #include "ddp/store/client.hpp" (already included above)
-
-#include <algorithm>
-#include <chrono>
-#include <cstdint>
-#include <string>
-#include <vector>
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-/// The failure of a monitored_barrier that the ranks `missing` (ascending, not empty) did not
-/// arrive at within `timeout`, as rank `rank` reports it (rank 0 gave the verdict; the others
-/// say so): it names the first missing rank, or every one with `wait_all_ranks`; its lost
-/// ranks are all of them. The one verdict of every backend's monitored_barrier.
-DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
-                                std::chrono::milliseconds timeout, bool wait_all_ranks);
-
-/// Monitored barrier number `n` of a communicator whose keys `store` holds (this rank `rank` of
-/// `size`): every rank says it arrived; rank 0 waits up to `timeout` for the others and gives
-/// its verdict, naming the ranks that did not arrive (all of them with `wait_all_ranks`, else
-/// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
-/// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
-/// at once with Errc::peer_lost.
-DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
-                                  std::chrono::milliseconds timeout, bool wait_all_ranks);
-
-}  // namespace detail
-DDP_END_NAMESPACE
-
-#if DDP_BODIES
-// begin ddp/backend/impl/monitored_barrier.ipp
-// ddp — header-only C++20 distributed data-parallel toolkit
-// SPDX-License-Identifier: MIT
-
-// The bodies of <ddp/backend/monitored_barrier.hpp>'s non-template functions. That header includes
-// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
-// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
-
-DDP_BEGIN_NAMESPACE
-namespace detail {
-
-DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
-                                std::chrono::milliseconds timeout, bool wait_all_ranks) {
-  const std::size_t named = wait_all_ranks ? missing.size() : 1;
-  std::string who;
-  for (std::size_t i = 0; i < named; ++i) who += concat(i == 0 ? "" : ", ", missing[i]);
-  return Error(
-      Errc::timeout,
-      concat("rank ", rank, ": ", what, ": ", rank == 0 ? "" : "failed because rank 0 reported: "),
-      rank == 0 ? -1 : 0,
-      concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
-             " ms (stopped, slow, or not calling it)",
-             wait_all_ranks || missing.size() == 1
-                 ? ""
-                 : concat("; ", missing.size() - 1,
-                          " more did not either (wait_all_ranks names every one)")),
-      missing);
-}
-
-DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
-                                  std::chrono::milliseconds timeout, bool wait_all_ranks) {
-  const std::string at = concat("monitored/", n, "/");
-  const std::string what = concat("monitored_barrier #", n);
-  const std::string verdict = at + "verdict";  // "" when every rank arrived, else a stop value
-  // Waits up to `limit` for the ranks `ranks` (-1: rank 0's verdict); returns those still
-  // missing. A rank among them whose process left (its store connection closed: "exit/<r>") is
-  // not waited for: that fails at once with Errc::peer_lost.
-  const auto await = [&](std::vector<int> ranks, std::chrono::milliseconds limit,
-                         const char* doing) {
-    const auto key = [&](int r) { return r < 0 ? verdict : concat(at, r); };
-    const auto deadline = Clock::now() + limit;
-    for (;;) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      std::vector<std::string> keys;
-      for (const int r : ranks) keys.push_back(key(r));
-      keys = store.missing_after(
-          keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
-      std::erase_if(
-          ranks, [&](int r) { return std::find(keys.begin(), keys.end(), key(r)) == keys.end(); });
-      if (ranks.empty() || left.count() <= 0) return ranks;
-      for (const int r : ranks) {
-        const int gone = std::max(r, 0);
-        const std::string exited[] = {concat("exit/", gone)};
-        if (!store.check(exited)) continue;
-        const Error lost(Errc::peer_lost, concat("rank ", rank, ": ", what, ": "), -1,
-                         concat("rank ", gone,
-                                " left (its process exited, or it destroyed its communicator) "
-                                "before ",
-                                doing),
-                         {gone});
-        if (rank == 0) store.set(verdict, Store::stop_value(lost));
-        DDP_THROW(lost);
-      }
-    }
-  };
-  store.set(concat(at, rank), "");
-  if (rank == 0) {
-    std::vector<int> others;
-    for (int r = 1; r < size; ++r) others.push_back(r);
-    const std::vector<int> missing = await(others, timeout, "arriving");
-    if (missing.empty()) {
-      store.set(verdict, "");
-      return;
-    }
-    const Error e = missed_barrier(0, what, missing, timeout, wait_all_ranks);
-    store.set(verdict, Store::stop_value(e));
-    DDP_THROW(e);
-  }
-  if (!await({0}, timeout, "arriving").empty())
-    fail_from(-1, {0}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
-              timeout.count(), " ms (stopped, slow, or not calling it)");
-  // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
-  const auto grace = timeout + std::chrono::seconds(2);
-  if (!await({-1}, grace, "giving its verdict").empty())
-    fail_from(-1, {}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
-              grace.count(), " ms of arriving");
-  if (const std::string v = store.get(verdict); !v.empty()) {
-    const auto e = decode_stop(v);
-    if (!e) fail(Errc::protocol, "rank ", rank, ": ", what, ": rank 0's verdict is not one");
-    DDP_THROW(Error(e->code(),
-                    concat("rank ", rank, ": ", what, ": failed because rank 0 reported: "), 0,
-                    e->origin_message(), e->lost_ranks()));
-  }
-}
-
-}  // namespace detail
-DDP_END_NAMESPACE
-// end ddp/backend/impl/monitored_barrier.ipp
-#endif
-// end ddp/backend/monitored_barrier.hpp
 // begin ddp/comm/error_file.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -6378,7 +6244,6 @@ DDP_END_NAMESPACE
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -6428,6 +6293,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/json.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstdio>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -6662,12 +6529,8 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <atomic>
-#include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <exception>
 #include <string>
 #include <string_view>
@@ -6741,6 +6604,12 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/comm/error_file.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -7153,7 +7022,6 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 
 #include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -7386,6 +7254,8 @@ DDP_END_NAMESPACE
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <charconv>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
@@ -7466,10 +7336,7 @@ DDP_END_NAMESPACE
 // #include "ddp/version.hpp" (already included above)
 
 #include <fcntl.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -7545,6 +7412,11 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/membership/rendezvous.hpp>'s non-template functions. That header includes this
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -7776,12 +7648,7 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 
 #include <poll.h>
-#include <sys/socket.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <charconv>
-#include <chrono>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -7848,6 +7715,13 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/http.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -8013,8 +7887,6 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/error.hpp" (already included above)
 
-#include <algorithm>
-#include <charconv>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -8043,6 +7915,9 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/store/etcd_address.hpp>'s non-template functions. That header includes this
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <charconv>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -8092,18 +7967,13 @@ DDP_END_NAMESPACE
 #endif
 // end ddp/store/etcd_address.hpp
 
-#include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -8242,6 +8112,12 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/store/etcd.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+#include <set>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -8774,7 +8650,6 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 // #include "ddp/store/protocol.hpp" (already included above)
 
-#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -8819,6 +8694,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/store/refusals.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -8869,19 +8746,12 @@ DDP_END_NAMESPACE
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <map>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -9055,6 +8925,15 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/store/engine.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -9513,20 +9392,14 @@ DDP_END_NAMESPACE
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <map>
 #include <string>
 #include <string_view>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -9606,6 +9479,14 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/store/server.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
 
 DDP_BEGIN_NAMESPACE
 
@@ -9771,7 +9652,6 @@ DDP_END_NAMESPACE
 #endif
 // end ddp/store/server.hpp
 
-#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -9822,6 +9702,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/membership/store_location.hpp>'s non-template functions. That header includes
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -9918,14 +9800,12 @@ DDP_END_NAMESPACE
 // #include "ddp/store/client.hpp" (already included above)
 // #include "ddp/store/server.hpp" (already included above)
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -10018,6 +9898,9 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/membership/job_store.hpp>'s non-template functions. That header includes this
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -10200,6 +10083,153 @@ DDP_END_NAMESPACE
 // end ddp/membership/impl/job_store.ipp
 #endif
 // end ddp/membership/job_store.hpp
+// begin ddp/membership/monitored_barrier.hpp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+/// \file
+/// Communicator::monitored_barrier over a rendezvous store (torch's monitored_barrier): every
+/// rank says it arrived; rank 0 waits for the others and gives its verdict, naming the ranks that
+/// did not arrive.
+
+// #include "ddp/config.hpp" (already included above)
+#if !DDP_HAS_EXCEPTIONS
+#error DDP_REQUIRE_EXCEPTIONS_MESSAGE
+#endif
+// #include "ddp/error.hpp" (already included above)
+// #include "ddp/store/client.hpp" (already included above)
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+/// The failure of a monitored_barrier that the ranks `missing` (ascending, not empty) did not
+/// arrive at within `timeout`, as rank `rank` reports it (rank 0 gave the verdict; the others
+/// say so): it names the first missing rank, or every one with `wait_all_ranks`; its lost
+/// ranks are all of them. The one verdict of every backend's monitored_barrier.
+DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
+                                std::chrono::milliseconds timeout, bool wait_all_ranks);
+
+/// Monitored barrier number `n` of a communicator whose keys `store` holds (this rank `rank` of
+/// `size`): every rank says it arrived; rank 0 waits up to `timeout` for the others and gives
+/// its verdict, naming the ranks that did not arrive (all of them with `wait_all_ranks`, else
+/// the first); the others wait up to `timeout` for rank 0 to arrive, then for its verdict. Fails
+/// with Errc::timeout on every rank that waits; a rank whose process left ("exit/<r>") fails it
+/// at once with Errc::peer_lost.
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks);
+
+}  // namespace detail
+DDP_END_NAMESPACE
+
+#if DDP_BODIES
+// begin ddp/membership/impl/monitored_barrier.ipp
+// ddp — header-only C++20 distributed data-parallel toolkit
+// SPDX-License-Identifier: MIT
+
+// The bodies of <ddp/membership/monitored_barrier.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+
+DDP_BEGIN_NAMESPACE
+namespace detail {
+
+DDP_INLINE Error missed_barrier(int rank, std::string_view what, const std::vector<int>& missing,
+                                std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::size_t named = wait_all_ranks ? missing.size() : 1;
+  std::string who;
+  for (std::size_t i = 0; i < named; ++i) who += concat(i == 0 ? "" : ", ", missing[i]);
+  return Error(
+      Errc::timeout,
+      concat("rank ", rank, ": ", what, ": ", rank == 0 ? "" : "failed because rank 0 reported: "),
+      rank == 0 ? -1 : 0,
+      concat(named == 1 ? "rank " : "ranks ", who, " did not arrive within ", timeout.count(),
+             " ms (stopped, slow, or not calling it)",
+             wait_all_ranks || missing.size() == 1
+                 ? ""
+                 : concat("; ", missing.size() - 1,
+                          " more did not either (wait_all_ranks names every one)")),
+      missing);
+}
+
+DDP_INLINE void monitored_barrier(Store& store, std::uint64_t n, int rank, int size,
+                                  std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::string at = concat("monitored/", n, "/");
+  const std::string what = concat("monitored_barrier #", n);
+  const std::string verdict = at + "verdict";  // "" when every rank arrived, else a stop value
+  // Waits up to `limit` for the ranks `ranks` (-1: rank 0's verdict); returns those still
+  // missing. A rank among them whose process left (its store connection closed: "exit/<r>") is
+  // not waited for: that fails at once with Errc::peer_lost.
+  const auto await = [&](std::vector<int> ranks, std::chrono::milliseconds limit,
+                         const char* doing) {
+    const auto key = [&](int r) { return r < 0 ? verdict : concat(at, r); };
+    const auto deadline = Clock::now() + limit;
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      std::vector<std::string> keys;
+      for (const int r : ranks) keys.push_back(key(r));
+      keys = store.missing_after(
+          keys, std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100)));
+      std::erase_if(
+          ranks, [&](int r) { return std::find(keys.begin(), keys.end(), key(r)) == keys.end(); });
+      if (ranks.empty() || left.count() <= 0) return ranks;
+      for (const int r : ranks) {
+        const int gone = std::max(r, 0);
+        const std::string exited[] = {concat("exit/", gone)};
+        if (!store.check(exited)) continue;
+        const Error lost(Errc::peer_lost, concat("rank ", rank, ": ", what, ": "), -1,
+                         concat("rank ", gone,
+                                " left (its process exited, or it destroyed its communicator) "
+                                "before ",
+                                doing),
+                         {gone});
+        if (rank == 0) store.set(verdict, Store::stop_value(lost));
+        DDP_THROW(lost);
+      }
+    }
+  };
+  store.set(concat(at, rank), "");
+  if (rank == 0) {
+    std::vector<int> others;
+    for (int r = 1; r < size; ++r) others.push_back(r);
+    const std::vector<int> missing = await(others, timeout, "arriving");
+    if (missing.empty()) {
+      store.set(verdict, "");
+      return;
+    }
+    const Error e = missed_barrier(0, what, missing, timeout, wait_all_ranks);
+    store.set(verdict, Store::stop_value(e));
+    DDP_THROW(e);
+  }
+  if (!await({0}, timeout, "arriving").empty())
+    fail_from(-1, {0}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 did not arrive within ",
+              timeout.count(), " ms (stopped, slow, or not calling it)");
+  // Rank 0 gives it within `timeout` of its own arrival (and a moment to write it).
+  const auto grace = timeout + std::chrono::seconds(2);
+  if (!await({-1}, grace, "giving its verdict").empty())
+    fail_from(-1, {}, Errc::timeout, "rank ", rank, ": ", what, ": rank 0 gave no verdict within ",
+              grace.count(), " ms of arriving");
+  if (const std::string v = store.get(verdict); !v.empty()) {
+    const auto e = decode_stop(v);
+    if (!e) fail(Errc::protocol, "rank ", rank, ": ", what, ": rank 0's verdict is not one");
+    DDP_THROW(Error(e->code(),
+                    concat("rank ", rank, ": ", what, ": failed because rank 0 reported: "), 0,
+                    e->origin_message(), e->lost_ranks()));
+  }
+}
+
+}  // namespace detail
+DDP_END_NAMESPACE
+// end ddp/membership/impl/monitored_barrier.ipp
+#endif
+// end ddp/membership/monitored_barrier.hpp
 // begin ddp/membership/watch.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -10222,7 +10252,6 @@ DDP_END_NAMESPACE
 
 #include <time.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -10292,6 +10321,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/membership/watch.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -10422,15 +10453,10 @@ DDP_END_NAMESPACE
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <time.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -10537,6 +10563,13 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/observe/recorder.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -10974,17 +11007,11 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <cuda_runtime_api.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cstddef>
-#include <cstring>
 #include <memory>
 #include <span>
-#include <thread>
 #include <utility>
 
 DDP_BEGIN_NAMESPACE
@@ -11319,6 +11346,14 @@ DDP_END_NAMESPACE
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
@@ -11594,18 +11629,15 @@ DDP_END_NAMESPACE
 // end ddp/comm/cuda_staging.hpp
 #endif
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -11661,7 +11693,7 @@ struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   /// A failure relayed from another rank gets this rank's name in front instead.
   void relay_failure(int rank, const Error& e);
 
-  /// Communicator::monitored_barrier over the store (backend/monitored_barrier.hpp).
+  /// Communicator::monitored_barrier over the store (membership/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                          bool wait_all_ranks);
 
@@ -11714,6 +11746,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/comm/state.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <functional>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -12380,11 +12416,6 @@ DDP_END_NAMESPACE
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <charconv>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -12495,6 +12526,12 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/membership/growth.hpp>'s non-template functions. That header includes this
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -12782,15 +12819,12 @@ DDP_END_NAMESPACE
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -12910,6 +12944,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/membership/agreement.hpp>'s non-template functions. That header includes this
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -13223,11 +13261,9 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -13493,6 +13529,9 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/observe/timeline.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cerrno>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -14529,7 +14568,6 @@ DDP_END_NAMESPACE
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -14788,6 +14826,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/codec.hpp>'s non-template functions. That header includes this file at its
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 
@@ -15764,11 +15804,9 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 
 #include <atomic>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <optional>
 #include <span>
@@ -15992,6 +16030,9 @@ DDP_END_NAMESPACE
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <bit>
+#include <cstring>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
@@ -16128,7 +16169,6 @@ DDP_END_NAMESPACE
 
 #include <algorithm>
 #include <cstddef>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -16211,6 +16251,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/backend/host/rounds.hpp>'s non-template functions. That header includes this
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -16608,10 +16650,8 @@ DDP_END_NAMESPACE
 // #include "ddp/error.hpp" (already included above)
 
 #include <array>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -16686,6 +16726,9 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/backend/host/single_copy.hpp>'s non-template functions. That header includes
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <bit>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -16807,14 +16850,12 @@ DDP_END_NAMESPACE
 // #include "ddp/options.hpp" (already included above)
 // #include "ddp/store/client.hpp" (already included above)
 
-#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -16915,6 +16956,9 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/backend/host/hierarchy.hpp>'s non-template functions. That header includes
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -17134,10 +17178,7 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
-#include <climits>
 #include <cstdint>
-#include <ctime>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -17215,6 +17256,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/wait.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cerrno>
+#include <climits>
+#include <ctime>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -17298,10 +17343,8 @@ DDP_END_NAMESPACE
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <new>
 #include <string>
 
@@ -17431,6 +17474,9 @@ DDP_END_NAMESPACE
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <cerrno>
+#include <cstring>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
@@ -17543,15 +17589,8 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/wait.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <sys/uio.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17752,6 +17791,14 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/backend/host/shm.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -18160,12 +18207,9 @@ DDP_END_NAMESPACE
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -18296,6 +18340,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/backend/host/tcp.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -18774,14 +18822,9 @@ DDP_END_NAMESPACE
 // #include "ddp/store/client.hpp" (already included above)
 
 #include <fcntl.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -18872,6 +18915,13 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/backend/host/bootstrap.hpp>'s non-template functions. That header includes
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -19922,7 +19972,6 @@ DDP_END_NAMESPACE
 #endif
 // #include "ddp/backend/backend.hpp" (already included above)
 // #include "ddp/backend/collective.hpp" (already included above)
-// #include "ddp/backend/monitored_barrier.hpp" (already included above)
 // begin ddp/backend/mpi_support.hpp
 // ddp — header-only C++20 distributed data-parallel toolkit
 // SPDX-License-Identifier: MIT
@@ -20268,6 +20317,7 @@ DDP_END_NAMESPACE
 // #include "ddp/backend/uneven.hpp" (already included above)
 // #include "ddp/detail/lean_std.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
+// #include "ddp/membership/monitored_barrier.hpp" (already included above)
 // #include "ddp/types.hpp" (already included above)
 
 #include <mpi.h>
@@ -22190,7 +22240,6 @@ DDP_END_NAMESPACE
 // #include "ddp/config.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -22250,6 +22299,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/checkpoint/shard_layout.hpp>'s non-template functions. That header includes
 // this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
 
 DDP_BEGIN_NAMESPACE
 
@@ -22350,7 +22401,6 @@ DDP_END_NAMESPACE
 
 #include <cerrno>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -22451,6 +22501,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/detail/files.hpp>'s non-template functions. That header includes this file at
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstdio>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {
@@ -23246,7 +23298,6 @@ DDP_END_NAMESPACE
 // #include "ddp/detail/files.hpp" (already included above)
 // #include "ddp/error.hpp" (already included above)
 
-#include <cstdio>
 #include <exception>
 #include <optional>
 #include <string>
@@ -23313,6 +23364,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/checkpoint/async_checkpoint.hpp>'s non-template functions. That header
 // includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
 // in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstdio>
 
 DDP_BEGIN_NAMESPACE
 
@@ -23448,12 +23501,9 @@ DDP_END_NAMESPACE
 
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdio>
-#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -23561,6 +23611,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/observe/logging.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 
 DDP_BEGIN_NAMESPACE
 
@@ -23709,10 +23763,7 @@ DDP_END_NAMESPACE
 // #include "ddp/types.hpp" (already included above)
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -23871,6 +23922,10 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/observe/metrics.hpp>'s non-template functions. That header includes this file
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
 
 DDP_BEGIN_NAMESPACE
 
@@ -24038,12 +24093,9 @@ DDP_END_NAMESPACE
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -24131,6 +24183,11 @@ DDP_END_NAMESPACE
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <cstdio>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 
@@ -24198,19 +24255,12 @@ DDP_END_NAMESPACE
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <cstddef>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24252,6 +24302,15 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/spawn.hpp>'s non-template functions. That header includes this file at its
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
 
 DDP_BEGIN_NAMESPACE
 
@@ -24839,7 +24898,6 @@ DDP_END_NAMESPACE
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <type_traits>
@@ -25123,6 +25181,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/training/averaging/parameters.hpp>'s non-template functions. That header
 // includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
 // in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <cstring>
 
 #if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
 DDP_BEGIN_NAMESPACE
@@ -26519,7 +26579,7 @@ DDP_END_NAMESPACE
 /// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
 /// together (as many steps as the longest shard needs).
 ///
-///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or join() if restarted
+///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or enter() if restarted
 ///     job.track_model("net", net).track_sampler("sampler", sampler);
 ///     std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
 ///     job.on_reset([&](auto& comm) { avg.emplace(comm, net); });
@@ -28849,7 +28909,6 @@ DDP_END_NAMESPACE
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -29201,6 +29260,8 @@ DDP_END_NAMESPACE
 // The bodies of <ddp/training/zero/sharded_checkpoint.hpp>'s non-template functions. That header
 // includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
 // in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <functional>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

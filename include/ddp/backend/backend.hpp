@@ -44,12 +44,10 @@
 #include "ddp/types.hpp"
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <concepts>
 #include <cstddef>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <span>
 #include <string>

@@ -37,11 +37,11 @@
 #endif
 #include "ddp/backend/backend.hpp"
 #include "ddp/backend/collective.hpp"
-#include "ddp/backend/monitored_barrier.hpp"
 #include "ddp/backend/mpi_support.hpp"
 #include "ddp/backend/uneven.hpp"
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
+#include "ddp/membership/monitored_barrier.hpp"
 #include "ddp/types.hpp"
 
 #include <mpi.h>

@@ -40,7 +40,6 @@
 #include "ddp/detail/files.hpp"
 #include "ddp/error.hpp"
 
-#include <cstdio>
 #include <exception>
 #include <optional>
 #include <string>

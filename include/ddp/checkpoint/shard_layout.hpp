@@ -9,7 +9,6 @@
 #include "ddp/config.hpp"
 #include "ddp/error.hpp"
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>

@@ -19,7 +19,6 @@
 #include "ddp/tensor.hpp"
 #include "ddp/types.hpp"
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>

@@ -23,12 +23,8 @@
 #include "ddp/error.hpp"
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <atomic>
-#include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <exception>
 #include <string>
 #include <string_view>

@@ -14,7 +14,6 @@
 #if !DDP_HAS_EXCEPTIONS
 #error DDP_REQUIRE_EXCEPTIONS_MESSAGE
 #endif
-#include "ddp/backend/monitored_barrier.hpp"
 #include "ddp/comm/error_file.hpp"
 #include "ddp/comm/owner.hpp"
 #include "ddp/comm/poison.hpp"
@@ -22,6 +21,7 @@
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 #include "ddp/membership/job_store.hpp"
+#include "ddp/membership/monitored_barrier.hpp"
 #include "ddp/membership/watch.hpp"
 #include "ddp/observe/recorder.hpp"
 #include "ddp/options.hpp"
@@ -31,18 +31,15 @@
 #include "ddp/comm/cuda_staging.hpp"
 #endif
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE
@@ -98,7 +95,7 @@ struct CommState : MembershipWatch, CommPoison, OwnerProcess {
   /// A failure relayed from another rank gets this rank's name in front instead.
   void relay_failure(int rank, const Error& e);
 
-  /// Communicator::monitored_barrier over the store (backend/monitored_barrier.hpp).
+  /// Communicator::monitored_barrier over the store (membership/monitored_barrier.hpp).
   void monitored_barrier(int rank, int size, std::chrono::milliseconds timeout,
                          bool wait_all_ranks);
 

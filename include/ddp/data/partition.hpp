@@ -31,7 +31,6 @@
 #include <initializer_list>
 #include <iterator>
 #include <memory>
-#include <numeric>
 #include <span>
 #include <string>
 #include <utility>

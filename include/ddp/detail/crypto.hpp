@@ -14,10 +14,8 @@
 
 #include <fcntl.h>
 #include <sys/random.h>
-#include <unistd.h>
 
 #include <array>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -18,9 +18,7 @@
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 
-#include <charconv>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>

@@ -13,12 +13,7 @@
 #include "ddp/error.hpp"
 
 #include <poll.h>
-#include <sys/socket.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <charconv>
-#include <chrono>
 #include <cstddef>
 #include <string>
 #include <string_view>

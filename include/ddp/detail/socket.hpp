@@ -13,25 +13,16 @@
 #include "ddp/detail/lean_std.hpp"
 #include "ddp/error.hpp"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/types.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <cstddef>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 
 DDP_BEGIN_NAMESPACE

@@ -25,10 +25,7 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
-#include <climits>
 #include <cstdint>
-#include <ctime>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE

@@ -6,6 +6,8 @@
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <cstring>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE Encoder::Encoder(std::string& out) : out_(out) {}

@@ -6,6 +6,14 @@
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 

@@ -6,6 +6,15 @@
 // bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE void spawn(int nprocs, const std::function<void(Environment)>& fn,

@@ -37,15 +37,12 @@
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 

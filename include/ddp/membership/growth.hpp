@@ -34,11 +34,6 @@
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
-#include <unistd.h>
-
-#include <algorithm>
-#include <charconv>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>

@@ -23,14 +23,12 @@
 #include "ddp/store/client.hpp"
 #include "ddp/store/server.hpp"
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 

@@ -23,10 +23,7 @@
 #include "ddp/version.hpp"
 
 #include <fcntl.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>

@@ -20,7 +20,6 @@
 #include "ddp/store/etcd.hpp"
 #include "ddp/store/server.hpp"
 
-#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>

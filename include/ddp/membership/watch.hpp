@@ -20,7 +20,6 @@
 
 #include <time.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>

@@ -24,12 +24,9 @@
 
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdio>
-#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <string>

@@ -32,10 +32,7 @@
 #include "ddp/types.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <limits>
 #include <span>
 #include <string>

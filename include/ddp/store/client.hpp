@@ -19,7 +19,6 @@
 #include "ddp/store/protocol.hpp"
 #include "ddp/store/tcp_client.hpp"
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>

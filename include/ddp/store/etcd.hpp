@@ -35,18 +35,13 @@
 #include "ddp/store/connection.hpp"
 #include "ddp/store/etcd_address.hpp"
 
-#include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 

@@ -13,8 +13,6 @@
 #endif
 #include "ddp/error.hpp"
 
-#include <algorithm>
-#include <charconv>
 #include <string>
 #include <string_view>
 #include <utility>

@@ -16,7 +16,6 @@
 #include "ddp/error.hpp"
 #include "ddp/store/protocol.hpp"
 
-#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>

@@ -27,14 +27,9 @@
 #include "ddp/store/client.hpp"
 
 #include <fcntl.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>

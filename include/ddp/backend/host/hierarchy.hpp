@@ -21,14 +21,12 @@
 #include "ddp/options.hpp"
 #include "ddp/store/client.hpp"
 
-#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 DDP_BEGIN_NAMESPACE

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <cstring>
 #include <utility>
 #include <vector>
 

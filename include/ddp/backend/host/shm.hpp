@@ -32,15 +32,8 @@
 #include "ddp/detail/wait.hpp"
 #include "ddp/error.hpp"
 
-#include <sys/uio.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>

@@ -17,10 +17,8 @@
 #include "ddp/error.hpp"
 
 #include <array>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 

@@ -23,11 +23,9 @@
 #include "ddp/error.hpp"
 
 #include <atomic>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <optional>
 #include <span>

@@ -6,6 +6,10 @@
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <unistd.h>
+
+#include <cstring>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 

@@ -6,6 +6,11 @@
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <cstdio>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 

@@ -6,6 +6,17 @@
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 

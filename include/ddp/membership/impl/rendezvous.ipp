@@ -6,6 +6,11 @@
 // file at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+
 DDP_BEGIN_NAMESPACE
 namespace detail {
 

@@ -6,6 +6,10 @@
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE Logger::Logger(int rank, LoggerOptions o) : rank_(rank), o_(o) {

@@ -6,6 +6,10 @@
 // at its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE auto MetricValues::entry(std::string_view name) const -> const Entry& {

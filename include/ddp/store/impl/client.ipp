@@ -6,6 +6,8 @@
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <algorithm>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE Store::Store(std::string host, int port, StoreOptions options)

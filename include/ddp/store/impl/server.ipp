@@ -6,6 +6,14 @@
 // its bottom, and nothing else does: in the header-only mode in every unit, in the
 // separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+
 DDP_BEGIN_NAMESPACE
 
 DDP_INLINE StoreServer::StoreServer(const std::string& host, int port, StoreOptions options)

@@ -11,7 +11,7 @@
 /// boundary, and deals the rest of the epoch over every new membership, the ranks stepping
 /// together (as many steps as the longest shard needs).
 ///
-///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or join() if restarted
+///     ddp::Elastic<ddp::backend::Host> job;                    // init(), or enter() if restarted
 ///     job.track_model("net", net).track_sampler("sampler", sampler);
 ///     std::optional<ddp::GradientAverager<Net, ddp::backend::Host>> avg;
 ///     job.on_reset([&](auto& comm) { avg.emplace(comm, net); });

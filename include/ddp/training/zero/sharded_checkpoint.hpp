@@ -39,7 +39,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <optional>
 #include <span>
 #include <string>

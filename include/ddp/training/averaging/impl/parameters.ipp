@@ -6,6 +6,8 @@
 // includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
 // in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
 
+#include <cstring>
+
 #if !DDP_HAS_CUDA  // host memory only: the copies of ddp/cuda.hpp without their CUDA half
 DDP_BEGIN_NAMESPACE
 namespace detail {

@@ -7,7 +7,7 @@
 /// failure with the other agents (the root cause), signals to the launcher, restarts with their
 /// delay, the error files, the trace dumps, and the attempt loop.
 
-#include "launch_agent.hpp"
+#include "agent.hpp"
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

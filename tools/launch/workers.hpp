@@ -7,7 +7,7 @@
 /// through the guardian, the output pumped line by line to the console and the logs with its
 /// prefix, and stopping them (SIGTERM, then SIGKILL after the grace).
 
-#include "launch_agent.hpp"
+#include "agent.hpp"
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

@@ -18,7 +18,7 @@
 /// that both left its process group (setsid) and cleared its environment (env -i). It uses only
 /// async-signal-safe calls, so it works even if the launcher had threads when it forked.
 ///
-/// Used only by the launcher agent (launch_agent.hpp); like it, it includes nothing of ddp but
+/// Used only by the launcher agent (agent.hpp); like it, it includes nothing of ddp but
 /// <ddp/ddp.hpp>.
 
 #include <ddp/ddp.hpp>

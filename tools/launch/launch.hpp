@@ -8,14 +8,14 @@
 /// their output line by line, watches them and the other nodes, agrees with the other agents on
 /// restarts and on the root cause of a failure, and stops everything on a failure or a signal.
 /// Only the tools use it; it includes nothing of ddp but <ddp/ddp.hpp>, so it builds against
-/// include/ and against the single header alike. Its rooms: launch_options.hpp (the options),
-/// launch_agent.hpp (the agent's state), launch_rendezvous.hpp, launch_workers.hpp,
-/// launch_outcome.hpp.
+/// include/ and against the single header alike. Its rooms: options.hpp (the options),
+/// agent.hpp (the agent's state), rendezvous.hpp, workers.hpp,
+/// outcome.hpp.
 
-#include "launch_agent.hpp"
-#include "launch_outcome.hpp"
-#include "launch_rendezvous.hpp"
-#include "launch_workers.hpp"
+#include "agent.hpp"
+#include "outcome.hpp"
+#include "rendezvous.hpp"
+#include "workers.hpp"
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

@@ -7,7 +7,7 @@
 /// etcd), agree on the node ranks, the workers' address and port and, with --nnodes MIN:MAX, on
 /// each round's members; a late node waits for the next round.
 
-#include "launch_agent.hpp"
+#include "agent.hpp"
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

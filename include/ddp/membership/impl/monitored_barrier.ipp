@@ -2,9 +2,11 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-// The bodies of <ddp/backend/monitored_barrier.hpp>'s non-template functions. That header includes
-// this file at its bottom, and nothing else does: in the header-only mode in every unit, in the
-// separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+// The bodies of <ddp/membership/monitored_barrier.hpp>'s non-template functions. That header
+// includes this file at its bottom, and nothing else does: in the header-only mode in every unit,
+// in the separate-compilation mode in the implementation unit only (<ddp/impl/src.hpp>).
+
+#include <algorithm>
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

@@ -5,14 +5,14 @@
 /// \file
 /// The launcher's options (ddp::LaunchOptions, ddprun's command line as a struct), the small
 /// helpers its agent uses (signals, files, output streams, error files) and LaunchFailure, a
-/// failed attempt as the agents publish it. Part of ddp::launch (tools/launch.hpp); only the
+/// failed attempt as the agents publish it. Part of ddp::launch (tools/launch/launch.hpp); only the
 /// tools use it, and it includes nothing of ddp but <ddp/ddp.hpp>, so it builds against include/
 /// and against the single header alike.
 
 #include <ddp/ddp.hpp>
 
+#include "../trace_diagnose.hpp"
 #include "guardian.hpp"
-#include "trace_diagnose.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>

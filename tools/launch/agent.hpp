@@ -4,11 +4,11 @@
 
 /// \file
 /// detail::LaunchAgent, one node's agent of ddp::launch: its state and its parts. The parts are
-/// defined in rooms of their own: meeting the other agents (launch_rendezvous.hpp), the workers
-/// (launch_workers.hpp), the outcome of an attempt (launch_outcome.hpp); tools/launch.hpp puts
+/// defined in rooms of their own: meeting the other agents (rendezvous.hpp), the workers
+/// (workers.hpp), the outcome of an attempt (outcome.hpp); tools/launch/launch.hpp puts
 /// them together.
 
-#include "launch_options.hpp"
+#include "options.hpp"
 
 DDP_BEGIN_NAMESPACE
 namespace detail {

@@ -1,0 +1,5 @@
+file(GLOB_RECURSE _built "${DIR}/*ddp_compiled*.o" "${DIR}/*ddp_compiled*.a" "${DIR}/*ddp_compiled.cpp.o")
+if(_built)
+  message(FATAL_ERROR "ddp's implementation unit was built though no target links ddp::compiled: ${_built}")
+endif()
+message(STATUS "nothing of ddp::compiled was built")
