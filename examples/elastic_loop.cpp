@@ -1,6 +1,6 @@
-// The README's fault-tolerant loop (README, "Fault tolerance"), whole: a linear model y = w x + b
-// fitted to y = 3 x - 2 by 4 data-parallel ranks under ddp::Elastic. Rank 2 dies at its 30th
-// step; the three others go on from the last step every rank finished, the rest of each epoch
+// The guide's fault-tolerant loop (docs/guide/fault_tolerance.md), whole: a linear model
+// y = w x + b fitted to y = 3 x - 2 by 4 data-parallel ranks under ddp::Elastic. Rank 2 dies at its
+// 30th step; the three others go on from the last step every rank finished, the rest of each epoch
 // dealt over them, and end where an uninterrupted run would (w = 3.00, b = -2.00).
 //
 //   build/default/examples/elastic_loop                  (forks 4 ranks: ddp::spawn)

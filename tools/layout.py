@@ -79,6 +79,8 @@ def first_sentence(text):
                 continue
             if ch == "." and text[i - 1] == ".":
                 continue
+            if ch == ":" and len(text[:i].split()) <= 3:  # "ddp::Checkpoint: what it is"
+                continue
             return text[:i].strip()
     return text.strip()
 
@@ -182,6 +184,11 @@ def render():
             out.append(entry(rel.rsplit("/", 1)[-1] if depth else rel,
                              header_summary(files[h]), 4 + 2 * depth)
                        if not depth else "")
+        if old:  # forwarding headers: old path -> new path
+            def new_path(h):
+                return INCLUDE_RE.search(files[h].read_text(encoding="utf-8")).group(1)[4:]
+            names = ", ".join(f"{h[len('ddp/' + r):]} -> {new_path(h)}" for h in old)
+            out.append(entry("", f"older paths, each including its new one: {names}", 4))
         # subfolders: a line for the folder, then its headers
         subdirs = sorted({h[len("ddp/" + r):].rsplit("/", 1)[0] for h in headers
                           if h[len("ddp/" + r):].count("/")})
@@ -192,9 +199,7 @@ def render():
                 if rel.rsplit("/", 1)[0] == d:
                     out.append(entry(rel.rsplit("/", 1)[1], header_summary(files[h]),
                                      6 + 2 * d.count("/")))
-        if old:
-            names = " ".join(h[len("ddp/" + r):] for h in old)
-            out.append(entry("", f"(older paths, each including its new one: {names})", 4))
+
     out.append("```\n\n")
     tools = ""
     for p in sorted((ROOT / "tools").rglob("*")):
